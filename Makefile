@@ -1,0 +1,47 @@
+# Every target installs what it needs first (scripts/ensure-deps.sh is idempotent).
+SHELL := /bin/bash
+VENV  := .venv
+PY    := $(VENV)/bin/python
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: deps demo test unit vm-test lint proto proto-check bench clean help
+
+help:
+	@echo "make demo     run the whole chain end to end on an embedded default"
+	@echo "make test     lint, type-check and run every test tier (starts and stops the services it needs)"
+	@echo "make vm-test  only the VM tier (vm-tests/)"
+	@echo "make lint     ruff and mypy (strict)"
+	@echo "make proto    regenerate protocol/_gen from protocol/proto"
+	@echo "make bench    run the benchmarks in bench/ and print their figures"
+
+deps:
+	@scripts/ensure-deps.sh
+
+lint: deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy protocol agent server imagebuilder tests bench scripts
+
+proto: deps
+	$(PY) scripts/genproto.py
+
+proto-check: deps
+	$(PY) scripts/genproto.py --check
+
+test: deps
+	scripts/run-tests.sh all
+
+unit: deps
+	scripts/run-tests.sh fast
+
+vm-test: deps
+	scripts/run-tests.sh vm
+
+demo: deps
+	$(PY) -m scripts.demo
+
+bench: deps
+	$(PY) -m bench.attest
+
+clean:
+	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,65 @@
+"""``nodeagent``: the node agent's command line.
+
+Each sub-command lives in its own module under ``agent.commands`` and exposes
+``register(subparsers)``; this module only builds the parser, sets up logging
+and turns :class:`AgentError` into a message, a hint and an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from agent.errors import AgentError
+
+COMMAND_MODULES = (
+    "agent.commands.attest",
+    "agent.commands.check",
+)
+
+log = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nodeagent",
+        description=(
+            "Node agent: proves this machine's identity with its TPM to a SPIRE-compatible server, "
+            "verifies its GPUs and readiness, and only then fetches kubeadm join credentials."
+        ),
+        epilog="Run `nodeagent COMMAND --help` for the options of each command.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def _setup_logging(verbosity: int) -> None:
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        rc: int = args.func(args)
+    except AgentError as exc:
+        print(f"nodeagent: error: {exc.message}", file=sys.stderr)
+        if exc.hint:
+            print(f"nodeagent: hint: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("nodeagent: interrupted", file=sys.stderr)
+        return 130
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

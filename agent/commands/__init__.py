@@ -1,0 +1,1 @@
+"""``nodeagent`` sub-commands; each module exposes ``register(subparsers)``."""

@@ -1,0 +1,28 @@
+"""Errors raised by the protocol codecs.
+
+Every decoder in this package raises a subclass of :class:`ProtocolError` and
+nothing else for bad input, so callers (and the fuzz tests) can tell malformed
+data from bugs.
+"""
+
+from __future__ import annotations
+
+
+class ProtocolError(ValueError):
+    """Input that does not follow the wire contract."""
+
+
+class PayloadError(ProtocolError):
+    """The ``tpm`` attestor JSON (payload, challenge or response) is malformed."""
+
+
+class TpmStructureError(ProtocolError):
+    """A marshalled TPM 2.0 structure is truncated, has trailing bytes or bad fields."""
+
+
+class CredentialError(ProtocolError):
+    """A credential blob cannot be built or opened (wrong key type, bad integrity)."""
+
+
+class SpiffeIdError(ProtocolError):
+    """A string is not a valid SPIFFE ID or trust domain."""

@@ -1,0 +1,220 @@
+"""The ``tpm`` node attestor's JSON, exactly as spire-tpm-plugin v1.9.0 writes it.
+
+Go's ``encoding/json`` conventions: keys are the Go field names verbatim, in
+struct order, compact; ``[]byte`` is standard base64 with padding.
+
+* payload  ``{"EK":b64(PEM),"AK":{"Public","UseTCSDActivationFormat","CreateData",
+  "CreateAttestation","CreateSignature"}}``; the EK PEM is an optional CERTIFICATE
+  block followed by a mandatory PUBLIC KEY block (SubjectPublicKeyInfo DER);
+* challenge ``{"EC":{"Credential","Secret"}}``, both with their TPM2B size prefix;
+* response ``{"Secret"}`` (the 32-byte certInfo from TPM2_ActivateCredential).
+
+Decoders raise :class:`PayloadError` for anything malformed and nothing else.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from protocol.credential import Credential
+from protocol.errors import PayloadError
+
+ATTESTOR_TYPE = "tpm"
+_PEM_RE = re.compile(
+    rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n(.*?)\r?\n?-----END ([A-Z0-9 ]+)-----", re.DOTALL
+)
+
+EkPublicKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey
+
+
+@dataclass(frozen=True)
+class AttestationParameters:
+    """The AK half of the payload (go-attestation ``AttestationParameters``)."""
+
+    public: bytes  # TPMT_PUBLIC
+    create_data: bytes  # TPMS_CREATION_DATA
+    create_attestation: bytes  # TPMS_ATTEST
+    create_signature: bytes  # TPMT_SIGNATURE
+    use_tcsd_activation_format: bool = False
+
+
+@dataclass(frozen=True)
+class EkData:
+    """The decoded EK PEM: the public key (always) and the certificate DER (when sent)."""
+
+    public_key_der: bytes  # SubjectPublicKeyInfo DER
+    certificate_der: bytes | None = None
+
+    def public_key(self) -> EkPublicKey:
+        try:
+            key = serialization.load_der_public_key(self.public_key_der)
+        except (ValueError, TypeError) as exc:
+            raise PayloadError(f"EK PUBLIC KEY block is not a valid SubjectPublicKeyInfo: {exc}") from exc
+        if not isinstance(key, rsa.RSAPublicKey | ec.EllipticCurvePublicKey):
+            raise PayloadError(f"EK public key type {type(key).__name__} is neither RSA nor ECC")
+        return key
+
+    @property
+    def pub_hash(self) -> str:
+        return pub_hash(self.public_key_der)
+
+
+@dataclass(frozen=True)
+class AttestationData:
+    ek: EkData
+    ak: AttestationParameters
+
+
+def pub_hash(spki_der: bytes) -> str:
+    """Lowercase hex SHA-256 of the EK SubjectPublicKeyInfo DER (the agent ID suffix)."""
+    return hashlib.sha256(spki_der).hexdigest()
+
+
+def _b64e(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _b64d(value: Any, field: str) -> bytes:
+    if not isinstance(value, str):
+        raise PayloadError(f"{field}: expected a base64 string, got {type(value).__name__}")
+    try:
+        return base64.b64decode(value.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError) as exc:
+        raise PayloadError(f"{field}: invalid base64 ({exc})") from exc
+
+
+def _pem(kind: str, der: bytes) -> bytes:
+    body = base64.encodebytes(der).replace(b"\n", b"")
+    lines = [body[i : i + 64] for i in range(0, len(body), 64)]
+    return b"-----BEGIN " + kind.encode() + b"-----\n" + b"\n".join(lines) + b"\n-----END " + kind.encode() + b"-----\n"
+
+
+def encode_ek(ek: EkData) -> bytes:
+    """PEM text: the CERTIFICATE block (if any) followed by the PUBLIC KEY block."""
+    out = b""
+    if ek.certificate_der is not None:
+        out += _pem("CERTIFICATE", ek.certificate_der)
+    return out + _pem("PUBLIC KEY", ek.public_key_der)
+
+
+def decode_ek(pem: bytes) -> EkData:
+    """Parse the EK PEM: one PUBLIC KEY block and at most one CERTIFICATE block, in either order."""
+    blocks = list(_PEM_RE.finditer(pem))
+    if not blocks:
+        raise PayloadError("EK: no PEM block found")
+    if len(blocks) > 2:
+        raise PayloadError(f"EK: {len(blocks)} PEM blocks; expected a PUBLIC KEY and at most one CERTIFICATE")
+    found: dict[str, bytes] = {}
+    for match in blocks:
+        kind, end_kind = match.group(1).decode(), match.group(3).decode()
+        if kind != end_kind:
+            raise PayloadError(f"EK: PEM block BEGIN {kind} ends with END {end_kind}")
+        if kind not in ("CERTIFICATE", "PUBLIC KEY"):
+            raise PayloadError(f"EK: unexpected PEM block type {kind!r}")
+        if kind in found:
+            raise PayloadError(f"EK: two {kind} blocks")
+        try:
+            found[kind] = base64.b64decode(b"".join(match.group(2).split()), validate=True)
+        except binascii.Error as exc:
+            raise PayloadError(f"EK: {kind} block is not valid base64") from exc
+    if "PUBLIC KEY" not in found:
+        raise PayloadError(
+            "EK: the PUBLIC KEY block is missing (spire-tpm-plugin v1.9.0+ agents always send it); "
+            "upgrade the agent"
+        )
+    ek = EkData(public_key_der=found["PUBLIC KEY"], certificate_der=found.get("CERTIFICATE"))
+    ek.public_key()  # validate now, so later code can rely on it
+    # The certificate is parsed (leniently) by the EK validation, not here.
+    return ek
+
+
+def encode_attestation_data(data: AttestationData) -> bytes:
+    """Compact Go-style JSON for ``AttestationData.payload``."""
+    doc = {
+        "EK": _b64e(encode_ek(data.ek)),
+        "AK": {
+            "Public": _b64e(data.ak.public),
+            "UseTCSDActivationFormat": data.ak.use_tcsd_activation_format,
+            "CreateData": _b64e(data.ak.create_data),
+            "CreateAttestation": _b64e(data.ak.create_attestation),
+            "CreateSignature": _b64e(data.ak.create_signature),
+        },
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _load_object(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise PayloadError(f"{what}: not valid JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise PayloadError(f"{what}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _field(doc: dict[str, Any], key: str, what: str) -> Any:
+    if key not in doc or doc[key] is None:
+        raise PayloadError(f"{what}: missing {key!r}")
+    return doc[key]
+
+
+def decode_attestation_data(raw: bytes) -> AttestationData:
+    """Parse ``AttestationData.payload``."""
+    doc = _load_object(raw, "payload")
+    ek = decode_ek(_b64d(_field(doc, "EK", "payload"), "EK"))
+    ak_doc = _field(doc, "AK", "payload")
+    if not isinstance(ak_doc, dict):
+        raise PayloadError("payload: 'AK' must be an object")
+    tcsd = ak_doc.get("UseTCSDActivationFormat", False)
+    if not isinstance(tcsd, bool):
+        raise PayloadError("AK.UseTCSDActivationFormat must be a boolean")
+    if tcsd:
+        raise PayloadError("AK.UseTCSDActivationFormat is true: TPM 1.2 activation is not supported")
+    ak = AttestationParameters(
+        public=_b64d(_field(ak_doc, "Public", "AK"), "AK.Public"),
+        create_data=_b64d(_field(ak_doc, "CreateData", "AK"), "AK.CreateData"),
+        create_attestation=_b64d(_field(ak_doc, "CreateAttestation", "AK"), "AK.CreateAttestation"),
+        create_signature=_b64d(_field(ak_doc, "CreateSignature", "AK"), "AK.CreateSignature"),
+        use_tcsd_activation_format=tcsd,
+    )
+    return AttestationData(ek=ek, ak=ak)
+
+
+def encode_challenge(credential: Credential) -> bytes:
+    doc = {
+        "EC": {
+            "Credential": _b64e(credential.credential_blob),
+            "Secret": _b64e(credential.encrypted_secret),
+        }
+    }
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def decode_challenge(raw: bytes) -> Credential:
+    doc = _load_object(raw, "challenge")
+    ec_doc = _field(doc, "EC", "challenge")
+    if not isinstance(ec_doc, dict):
+        raise PayloadError("challenge: 'EC' must be an object")
+    return Credential(
+        credential_blob=_b64d(_field(ec_doc, "Credential", "EC"), "EC.Credential"),
+        encrypted_secret=_b64d(_field(ec_doc, "Secret", "EC"), "EC.Secret"),
+    )
+
+
+def encode_challenge_response(secret: bytes) -> bytes:
+    return json.dumps({"Secret": _b64e(secret)}, separators=(",", ":")).encode()
+
+
+def decode_challenge_response(raw: bytes) -> bytes:
+    doc = _load_object(raw, "challenge response")
+    return _b64d(_field(doc, "Secret", "challenge response"), "Secret")

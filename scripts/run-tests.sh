@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The test entry point behind `make test` (all), `make unit` (fast) and `make vm-test` (vm).
+# Starts the services the tiers need and stops what it started, even on failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH"
+what=${1:-all}
+
+cleanup() { scripts/services.sh stop || true; }
+
+if [ "$what" = all ] || [ "$what" = fast ]; then
+  echo "== lint"
+  ruff check .
+  ruff format --check .
+  mypy protocol agent server imagebuilder tests bench scripts
+fi
+
+status=0
+if [ "$what" = all ] || [ "$what" = vm ]; then
+  trap cleanup EXIT
+  scripts/services.sh start
+fi
+if [ "$what" = all ] || [ "$what" = fast ]; then
+  echo "== tests (unit, swtpm, libvirt test driver, store)"
+  python -m pytest tests -q || status=$?
+fi
+if [ "$what" = all ] || [ "$what" = vm ]; then
+  echo "== vm-tests"
+  python -m pytest vm-tests -q -p no:cacheprovider || status=$?
+fi
+exit "$status"

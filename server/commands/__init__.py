@@ -1,0 +1,1 @@
+"""``nodeserver`` sub-commands; each module exposes ``register(subparsers)``."""
