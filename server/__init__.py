@@ -1,0 +1,1 @@
+"""The SPIRE-compatible attestation server and join-credential broker (``nodeserver``)."""

@@ -1,0 +1,99 @@
+"""The server's error hierarchy, mapped once to gRPC status codes at the boundary.
+
+Each class carries the gRPC status code name it maps to (``grpc_code``) and a
+``reason`` slug used in the audit log and the metrics. Messages go to the peer,
+so they never contain secrets.
+"""
+
+from __future__ import annotations
+
+
+class ServerError(Exception):
+    """Base class."""
+
+    grpc_code = "INTERNAL"
+    reason = "internal"
+
+    def __init__(self, message: str, *, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if reason is not None:
+            self.reason = reason
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(ServerError):
+    """The server configuration is invalid; raised at start."""
+
+    reason = "config"
+
+
+class InvalidRequestError(ServerError):
+    """Malformed request or payload."""
+
+    grpc_code = "INVALID_ARGUMENT"
+    reason = "invalid_argument"
+
+
+class PayloadTooLargeError(ServerError):
+    grpc_code = "RESOURCE_EXHAUSTED"
+    reason = "payload_too_large"
+
+
+class UnknownAttestorError(ServerError):
+    grpc_code = "FAILED_PRECONDITION"
+    reason = "unknown_attestor"
+
+
+class AttestationDeniedError(ServerError):
+    """The evidence is well-formed but not acceptable (untrusted EK, bad AK, wrong secret)."""
+
+    grpc_code = "PERMISSION_DENIED"
+    reason = "denied"
+
+
+class BannedError(AttestationDeniedError):
+    reason = "banned"
+
+
+class ChallengeTimeoutError(ServerError):
+    grpc_code = "DEADLINE_EXCEEDED"
+    reason = "challenge_timeout"
+
+
+class UnauthenticatedError(ServerError):
+    grpc_code = "UNAUTHENTICATED"
+    reason = "unauthenticated"
+
+
+class NotFoundError(ServerError):
+    grpc_code = "NOT_FOUND"
+    reason = "not_found"
+
+
+class PolicyDeniedError(ServerError):
+    """The verification report fails the pool policy."""
+
+    grpc_code = "PERMISSION_DENIED"
+    reason = "policy"
+
+
+class ReplayError(ServerError):
+    grpc_code = "ALREADY_EXISTS"
+    reason = "replay"
+
+
+class StoreError(ServerError):
+    """The store is unavailable or inconsistent."""
+
+    grpc_code = "UNAVAILABLE"
+    reason = "store"
+
+
+class TokenBackendError(ServerError):
+    """The bootstrap-token backend (Kubernetes API, file) failed."""
+
+    grpc_code = "UNAVAILABLE"
+    reason = "token_backend"
