@@ -30,7 +30,12 @@ from dataclasses import dataclass
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+try:  # cryptography >= 47 keeps CFB under "decrepit"; TPM credential blobs require it.
+    from cryptography.hazmat.decrepit.ciphers.modes import CFB
+except ImportError:  # pragma: no cover - older cryptography
+    from cryptography.hazmat.primitives.ciphers.modes import CFB  # type: ignore[assignment,no-redef]
 
 from protocol.errors import CredentialError, TpmStructureError
 from protocol.tpm2 import HASH_SIZES, Alg, Reader, tpm2b
@@ -100,7 +105,7 @@ def _name_alg(name: bytes) -> int:
 
 
 def _aes_cfb(key: bytes, data: bytes, *, decrypt: bool) -> bytes:
-    cipher = Cipher(algorithms.AES(key), modes.CFB(b"\x00" * 16))
+    cipher = Cipher(algorithms.AES(key), CFB(b"\x00" * 16))
     ctx = cipher.decryptor() if decrypt else cipher.encryptor()
     return ctx.update(data) + ctx.finalize()
 

@@ -26,3 +26,11 @@ class CredentialError(ProtocolError):
 
 class SpiffeIdError(ProtocolError):
     """A string is not a valid SPIFFE ID or trust domain."""
+
+
+class ReportError(ProtocolError):
+    """A GPU and node verification report is malformed or has an unknown schema version."""
+
+
+class PolicyError(ProtocolError):
+    """A pool policy (profile mapping or preset name) is invalid: unknown keys, wrong types, bad values."""

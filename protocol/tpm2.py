@@ -14,6 +14,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
+from typing import Any
 
 from protocol.errors import TpmStructureError
 
@@ -598,3 +599,38 @@ def encode_rsa_signature(signature: bytes, *, hash_alg: int = Alg.SHA256, alg: i
 def encode_ecdsa_signature(r_value: bytes, s_value: bytes, *, hash_alg: int = Alg.SHA256) -> bytes:
     """Marshal an ECDSA TPMT_SIGNATURE."""
     return struct.pack(">HH", Alg.ECDSA, hash_alg) + tpm2b(r_value) + tpm2b(s_value)
+
+
+def public_key(pub: Public) -> Any:
+    """The ``cryptography`` public key of an RSA or ECC TPMT_PUBLIC."""
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    if pub.type == Alg.RSA:
+        if not pub.rsa_modulus:
+            raise TpmStructureError("TPMT_PUBLIC: empty RSA modulus")
+        return rsa.RSAPublicNumbers(pub.rsa_exponent, int.from_bytes(pub.rsa_modulus, "big")).public_key()
+    if pub.type == Alg.ECC:
+        curves: dict[int, ec.EllipticCurve] = {
+            EccCurve.NIST_P256: ec.SECP256R1(),
+            EccCurve.NIST_P384: ec.SECP384R1(),
+            EccCurve.NIST_P521: ec.SECP521R1(),
+        }
+        curve = curves.get(pub.ecc_curve)
+        if curve is None:
+            raise TpmStructureError(f"TPMT_PUBLIC: unsupported ECC curve 0x{pub.ecc_curve:04x}")
+        try:
+            return ec.EllipticCurvePublicNumbers(
+                int.from_bytes(pub.ecc_x, "big"), int.from_bytes(pub.ecc_y, "big"), curve
+            ).public_key()
+        except ValueError as exc:
+            raise TpmStructureError(f"TPMT_PUBLIC: ECC point is not on the curve: {exc}") from exc
+    raise TpmStructureError(f"TPMT_PUBLIC: {pub.type.name} is not an asymmetric key")
+
+
+def spki_der(pub: Public) -> bytes:
+    """The DER SubjectPublicKeyInfo of an RSA or ECC TPMT_PUBLIC."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = public_key(pub)
+    der: bytes = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return der

@@ -1,0 +1,180 @@
+"""Assemble and run the server: CA, store, EK trust, gRPC (TLS), health, metrics, audit.
+
+:class:`ServerApp` owns every resource it opens and closes them in
+:meth:`ServerApp.stop`. Ports given as 0 are picked by the OS and reported in
+:attr:`ServerApp.ports` (tests and the demo use this).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from protocol._gen.spire.api.server.agent.v1 import agent_pb2_grpc
+from server.attest_service import AgentService
+from server.audit import AuditLog
+from server.ca import CertificateAuthority, ServerSvid
+from server.config import ServerConfig
+from server.errors import ConfigError
+from server.metrics import Metrics
+from server.store import Store
+from server.tpm_attestor import EkTrustLike, TpmNodeAttestor
+
+log = logging.getLogger(__name__)
+
+AGENT_SERVICE = "spire.api.server.agent.v1.Agent"
+MAX_MESSAGE_BYTES = 1024 * 1024
+
+
+def open_ek_trust(config: ServerConfig) -> EkTrustLike:
+    from server.ek import EkTrust, EkTrustConfig
+
+    settings = config.ek_trust
+    if settings.ca_dir is None and settings.hash_dir is None:
+        raise ConfigError(
+            "ek_trust: set ca_dir (manufacturer CA certificates) and/or hash_dir (allowed EK hashes); "
+            "see docs/ek-trust.md"
+        )
+    mode = settings.mode or (
+        "ca_or_hash" if settings.ca_dir and settings.hash_dir else "ca" if settings.ca_dir else "hash"
+    )
+    trust: EkTrustLike = EkTrust.load(EkTrustConfig(ca_dir=settings.ca_dir, hash_dir=settings.hash_dir, mode=mode))
+    return trust
+
+
+def open_store_for(config: ServerConfig) -> Store:
+    from server.store import open_store
+
+    store = open_store(config.store_dsn)
+    store.migrate()
+    return store
+
+
+@dataclass
+class Ports:
+    attest: int = 0
+    join: int = 0
+    metrics: int = 0
+
+
+@dataclass
+class ServerApp:
+    config: ServerConfig
+    ek_trust: EkTrustLike | None = None
+    store: Store | None = None
+    ports: Ports = field(default_factory=Ports)
+
+    def __post_init__(self) -> None:
+        self._servers: list[grpc.aio.Server] = []
+        self._metrics_server: Any = None
+        self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="nodeserver-io")
+        self._owns_store = self.store is None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.ca: CertificateAuthority | None = None
+        self.audit: AuditLog | None = None
+        self.metrics = Metrics.create()
+
+    def _credentials(self, svid: ServerSvid, *, client_ca: bytes | None = None) -> grpc.ServerCredentials:
+        generation = svid.generation
+
+        def config() -> Any:
+            return grpc.ssl_server_certificate_configuration([(svid.key_pem, svid.chain_pem)], root_certificates=client_ca)
+
+        def fetch() -> Any:
+            nonlocal generation
+            svid.renew_if_due()
+            if svid.generation != generation:
+                generation = svid.generation
+                return config()
+            return None
+
+        return grpc.dynamic_ssl_server_credentials(config(), fetch, require_client_authentication=client_ca is not None)
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.ca = CertificateAuthority.load_or_create(cfg.data_dir, cfg.trust_domain, ca_ttl=cfg.ca_ttl)
+        svid = ServerSvid(self.ca, cfg.data_dir, cfg.server_svid_ttl, cfg.server_dns_names)
+        if self.ek_trust is None:
+            self.ek_trust = open_ek_trust(cfg)
+        if self.store is None:
+            self.store = open_store_for(cfg)
+        self.audit = AuditLog(cfg.audit_path)
+        agent_service = AgentService(
+            ca=self.ca,
+            store=self.store,
+            audit=self.audit,
+            metrics=self.metrics,
+            attestors={"tpm": TpmNodeAttestor(cfg.trust_domain, self.ek_trust)},
+            svid_ttl=cfg.agent_svid_ttl,
+            challenge_timeout=cfg.challenge_timeout.total_seconds(),
+            max_payload_bytes=cfg.max_payload_bytes,
+            executor=self._executor,
+        )
+        options = [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=4096)
+        agent_pb2_grpc.add_AgentServicer_to_server(agent_service, server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        host, port = cfg.listen
+        bound = server.add_secure_port(f"{_bracket(host)}:{port}", self._credentials(svid))
+        if bound == 0:
+            raise ConfigError(f"listen: cannot bind {host}:{port} (in use, or not an address of this host)")
+        self.ports.attest = bound
+        await server.start()
+        self._servers.append(server)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health.set(AGENT_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        if cfg.metrics_listen is not None:
+            mhost, mport = cfg.metrics_listen
+            try:
+                self._metrics_server = self.metrics.serve(mhost, mport)
+            except OSError as exc:
+                raise ConfigError(f"metrics_listen: cannot bind {mhost}:{mport}: {exc.strerror}") from exc
+            self.ports.metrics = self._metrics_server.server_port
+        self._tasks.append(asyncio.create_task(self._refresh_gauges()))
+        log.info("nodeserver for %s listening on %s:%d", cfg.trust_domain, host, self.ports.attest)
+
+    async def _refresh_gauges(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                assert self.store is not None
+                count = await loop.run_in_executor(self._executor, self.store.count_agents)
+                self.metrics.agents_known.set(count)
+            except Exception:
+                log.warning("could not refresh the agents gauge", exc_info=True)
+            await asyncio.sleep(5)
+
+    async def wait(self) -> None:
+        await asyncio.gather(*(s.wait_for_termination() for s in self._servers))
+
+    async def stop(self, grace: float = 2.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for server in self._servers:
+            await server.stop(grace)
+        self._servers.clear()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        if self.audit is not None:
+            self.audit.close()
+        if self.store is not None and self._owns_store:
+            self.store.close()
+        self._executor.shutdown(wait=False)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
