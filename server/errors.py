@@ -58,6 +58,16 @@ class BannedError(AttestationDeniedError):
     reason = "banned"
 
 
+class EkNotTrustedError(AttestationDeniedError):
+    """The EK is neither listed nor certified by a trusted manufacturer CA (``server.ek_trust``).
+
+    ``reason`` is the verdict's stable ``reason_code`` (``ek_issuer_unknown``,
+    ``ek_cert_key_mismatch``, ...); the message is the verdict's ``reason``.
+    """
+
+    reason = "ek_not_trusted"
+
+
 class ChallengeTimeoutError(ServerError):
     grpc_code = "DEADLINE_EXCEEDED"
     reason = "challenge_timeout"
