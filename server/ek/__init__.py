@@ -1,6 +1,17 @@
-"""Internals of the EK trust decision; the public API is :mod:`server.ek_trust`.
+"""The EK trust decision: hash allowlist and manufacturer-CA chain validation.
 
-``der`` (DER reader), ``keys`` (public keys, signatures), ``certificate`` (lenient
-X.509 parser), ``store`` (CA directory snapshot and chain building), ``cadir``
-(reloading), ``hashes`` (hash allowlist), ``profile`` (EK certificate profile).
+Public API (also importable from :mod:`server.ek_trust`): :class:`EkTrust`,
+:class:`EkTrustConfig`, :class:`EkVerdict`, :class:`SkippedFile`.
+
+Modules: ``der`` (DER reader), ``keys`` (public keys, signatures), ``certificate``
+(lenient X.509 parser), ``store`` (CA directory snapshot, chain building),
+``cadir`` (reloading it), ``hashes`` (hash allowlist), ``profile`` (EK certificate
+profile), ``trust`` (the decision). Importing has no side effects.
 """
+
+from __future__ import annotations
+
+from server.ek.store import SkippedFile
+from server.ek.trust import EkTrust, EkTrustConfig, EkVerdict
+
+__all__ = ["EkTrust", "EkTrustConfig", "EkVerdict", "SkippedFile"]
