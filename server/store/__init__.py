@@ -2,7 +2,7 @@
 
 ``open_store(dsn)`` picks the backend from the DSN:
 
-* ``sqlite:///abs/path/to/store.db`` or a bare file path: SQLiteStore;
+* ``sqlite:///abs/path/to/store.db`` (``sqlite:////abs/...`` too) or a bare file path: SqliteStore;
 * ``postgresql://...`` or ``postgres://...`` (libpq URL): PostgresStore.
 
 It opens the database (creating an SQLite file) but does not migrate: the caller
@@ -47,7 +47,8 @@ def sqlite_path(dsn: str) -> str | None:
     path = unquote(parts.path)
     if not path.startswith("/") or path.endswith("/"):
         raise ConfigError(f"SQLite DSN needs an absolute file path, got {path!r}")
-    return os.path.normpath(path)
+    # sqlite:///abs/path (URL style) and sqlite:////abs/path (SQLAlchemy style) name the same file.
+    return os.path.normpath("/" + path.lstrip("/"))
 
 
 def open_store(dsn: str) -> Store:

@@ -82,6 +82,7 @@ class SqliteStore(SqlStore):
         self._lock_file = f"{self.path}.locks"
         _create_private(self._lock_file)
         self._node_locks = KeyedLock()
+        self._held = threading.local()  # slots of the lock file this thread holds, with their depth
         self._write_lock = threading.Lock()
         self._writer = self._connect(writer=True)
         # readers=0: every read goes through the writer connection (one connection in all).
@@ -189,13 +190,25 @@ class SqliteStore(SqlStore):
     @contextmanager
     def _file_lock(self, agent_id: str) -> Iterator[None]:
         slot = int.from_bytes(hashlib.sha256(agent_id.encode()).digest()[:4], "big")
+        held: dict[int, int] = self._held.__dict__.setdefault("slots", {})
+        if held.get(slot):  # this thread holds it already (node_lock is re-entrant)
+            held[slot] += 1
+            try:
+                yield
+            finally:
+                held[slot] -= 1
+            return
         try:
             fd = os.open(self._lock_file, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
             raise StoreError(f"cannot open the node lock file {self._lock_file}: {exc.strerror}") from exc
         try:
             self._wait_for_range(fd, slot, agent_id)
-            yield
+            held[slot] = 1
+            try:
+                yield
+            finally:
+                del held[slot]
         finally:
             os.close(fd)  # closing the open file description releases its lock
 
