@@ -108,9 +108,11 @@ async def attest_async(
             except ProtocolError as exc:
                 raise AttestationRefusedError(f"the server's challenge is malformed: {exc}") from exc
             secret = attestor.activate(credential)
-            await stream.send_message(agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(secret)))
+            # Half-close with the answer: the server ends the stream right after the result.
+            await stream.send_message(
+                agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(secret)), end=True
+            )
             result = await stream.recv_message()
-            await stream.end()
             if result is None or result.WhichOneof("step") != "result":
                 raise AttestationRefusedError("the server answered the challenge without a result")
             svid_msg = result.result.svid
@@ -135,7 +137,7 @@ async def attest_async(
     except ssl.SSLCertVerificationError as exc:
         store.discard_pending()
         raise ServerNotTrustedError(
-            f"the server at {target.host}:{target.port} is not trusted: {exc.verify_message or exc}",
+            f"the server at {target.host}:{target.port} is not trusted: {getattr(exc, 'verify_message', None) or exc.args[0]}",
             hint=f"check --bundle (it must hold the CA of {target.trust_domain}) and --trust-domain",
         ) from exc
     except (OSError, StreamTerminatedError, asyncio.TimeoutError) as exc:

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 
@@ -57,7 +58,7 @@ class EkData:
     def public_key(self) -> EkPublicKey:
         try:
             key = serialization.load_der_public_key(self.public_key_der)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
             raise PayloadError(f"EK PUBLIC KEY block is not a valid SubjectPublicKeyInfo: {exc}") from exc
         if not isinstance(key, rsa.RSAPublicKey | ec.EllipticCurvePublicKey):
             raise PayloadError(f"EK public key type {type(key).__name__} is neither RSA nor ECC")

@@ -34,7 +34,7 @@ MAX_MESSAGE_BYTES = 1024 * 1024
 
 
 def open_ek_trust(config: ServerConfig) -> EkTrustLike:
-    from server.ek import EkTrust, EkTrustConfig
+    from server.ek_trust import EkTrust, EkTrustConfig
 
     settings = config.ek_trust
     if settings.ca_dir is None and settings.hash_dir is None:
