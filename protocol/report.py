@@ -39,7 +39,7 @@ from protocol.errors import ReportError
 
 REPORT_SCHEMA_VERSION = 1
 
-JsonValue: TypeAlias = "None | bool | int | str | list[JsonValue] | dict[str, JsonValue]"
+JsonValue: TypeAlias = "bool | int | str | list[JsonValue] | dict[str, JsonValue] | None"
 Observations: TypeAlias = "Mapping[str, JsonValue]"
 
 MAX_REPORT_BYTES = 4 * 1024 * 1024
@@ -53,7 +53,7 @@ _TIMESTAMP_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
 
 class Status(StrEnum):
-    PASS = "pass"
+    PASS = "pass"  # noqa: S105 - a status, not a password
     FAIL = "fail"
     WARN = "warn"
     SKIP = "skip"
@@ -183,7 +183,9 @@ def _plain(value: Any, where: str, depth: int) -> JsonValue:
         return out
     if isinstance(value, Sequence):
         return [_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
-    raise ReportError(f"{where}: {type(value).__name__} is not allowed (use int, str, bool, null, list, object)")
+    raise ReportError(
+        f"{where}: {type(value).__name__} is not allowed (use int, str, bool, null, list, object)"
+    )
 
 
 # --------------------------------------------------------------------------- decoding
@@ -259,7 +261,9 @@ def _findings(value: Any, where: str) -> tuple[Finding, ...]:
     for i, item in enumerate(_list(value, where, MAX_CHECKS * 4)):
         w = f"{where}[{i}]"
         obj = _obj(item, w, {"check", "reason"})
-        out.append(Finding(check=_str(obj["check"], f"{w}.check"), reason=_str(obj["reason"], f"{w}.reason")))
+        out.append(
+            Finding(check=_str(obj["check"], f"{w}.check"), reason=_str(obj["reason"], f"{w}.reason"))
+        )
     return tuple(out)
 
 
@@ -279,7 +283,8 @@ def _check(value: Any, where: str) -> Check:
     if not isinstance(observations, dict):
         raise ReportError(f"{where}.observations: expected an object, got {_kind(observations)}")
     plain = _plain(observations, f"{where}.observations", 0)
-    assert isinstance(plain, dict)
+    if not isinstance(plain, dict):  # pragma: no cover - _plain keeps a dict a dict
+        raise ReportError(f"{where}.observations: expected an object")
     return Check(
         name=name,
         status=status,
@@ -317,8 +322,12 @@ def report_from_json(value: Any) -> Report:
     )
     collected_at = _str(obj["collected_at"], "collected_at")
     if not _TIMESTAMP_RE.match(collected_at):
-        raise ReportError(f"collected_at: {collected_at!r} is not an RFC 3339 UTC time like 2026-01-31T12:00:00Z")
-    checks = tuple(_check(c, f"checks[{i}]") for i, c in enumerate(_list(obj["checks"], "checks", MAX_CHECKS)))
+        raise ReportError(
+            f"collected_at: {collected_at!r} is not an RFC 3339 UTC time like 2026-01-31T12:00:00Z"
+        )
+    checks = tuple(
+        _check(c, f"checks[{i}]") for i, c in enumerate(_list(obj["checks"], "checks", MAX_CHECKS))
+    )
     seen: set[str] = set()
     for c in checks:
         if c.name in seen:

@@ -46,32 +46,32 @@ class Obs:
             raise Malformed(f"{self.where}: missing {key!r}")
         return self._data[key]
 
-    def int(self, key: str) -> int:
+    def num(self, key: str) -> int:
         v = self._get(key)
         if isinstance(v, bool) or not isinstance(v, int):
             raise Malformed(f"{self.where}.{key}: expected an integer")
         return v
 
-    def opt_int(self, key: str) -> int | None:
-        return None if self._get(key) is None else self.int(key)
+    def opt_num(self, key: str) -> int | None:
+        return None if self._get(key) is None else self.num(key)
 
-    def str(self, key: str) -> str:
+    def text(self, key: str) -> str:
         v = self._get(key)
         if not isinstance(v, str):
             raise Malformed(f"{self.where}.{key}: expected a string")
         return v
 
-    def opt_str(self, key: str) -> str | None:
-        return None if self._get(key) is None else self.str(key)
+    def opt_text(self, key: str) -> str | None:
+        return None if self._get(key) is None else self.text(key)
 
-    def bool(self, key: str) -> bool:
+    def flag(self, key: str) -> bool:
         v = self._get(key)
         if not isinstance(v, bool):
             raise Malformed(f"{self.where}.{key}: expected a boolean")
         return v
 
-    def opt_bool(self, key: str) -> bool | None:
-        return None if self._get(key) is None else self.bool(key)
+    def opt_flag(self, key: str) -> bool | None:
+        return None if self._get(key) is None else self.flag(key)
 
     def obj(self, key: str) -> Obs:
         v = self._get(key)
@@ -88,13 +88,13 @@ class Obs:
             raise Malformed(f"{self.where}.{key}: expected a list of objects")
         return [Obs(x, f"{self.where}.{key}[{i}]") for i, x in enumerate(v) if isinstance(x, dict)]
 
-    def strs(self, key: str) -> list[str]:
+    def texts(self, key: str) -> list[str]:
         v = self._get(key)
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
             raise Malformed(f"{self.where}.{key}: expected a list of strings")
         return [x for x in v if isinstance(x, str)]
 
-    def ints(self, key: str) -> list[int]:
+    def nums(self, key: str) -> list[int]:
         v = self._get(key)
         if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
             raise Malformed(f"{self.where}.{key}: expected a list of integers")

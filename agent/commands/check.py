@@ -1,0 +1,87 @@
+"""``nodeagent check``: verify the GPUs and the node against a pool profile.
+
+Exit status: 0 when every fatal check passes (warnings allowed), 1 when the
+verdict fails, 2 for a bad pool profile, 7 when the checks could not run.
+``--json`` prints the report in its canonical form (what the join request carries).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from agent.checks import run_checks
+from agent.host import Host
+from agent.pool import default_pool_spec, load_pool
+from protocol.report import Report, Status, canonical_json
+
+EXIT_FAILED = 1
+_MARK = {Status.PASS: "pass", Status.FAIL: "FAIL", Status.WARN: "warn", Status.SKIP: "skip"}
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "check",
+        help="verify the GPUs, the driver and the node against a pool profile",
+        description=(
+            "Run every GPU and node check and judge them against a pool profile. "
+            "Exit 0 only when every fatal check passes."
+        ),
+    )
+    p.add_argument(
+        "--pool",
+        metavar="FILE|PRESET",
+        help="pool profile (YAML) or preset: nvke, lepton-byok, domino, cpu "
+        "(default: $NODETRUST_POOL, else /etc/nodetrust/pool.yaml)",
+    )
+    p.add_argument("--json", action="store_true", help="print the report as canonical JSON")
+    p.add_argument(
+        "--host-root",
+        metavar="DIR",
+        default="/",
+        help="read the host's /proc, /dev, /run and /var under DIR (when running in a container "
+        "that mounts the host there); libudev still reads /sys",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    policy = load_pool(args.pool or default_pool_spec())
+    report = run_checks(policy, Host(Path(args.host_root)))
+    if args.json:
+        sys.stdout.buffer.write(canonical_json(report) + b"\n")
+        sys.stdout.flush()
+    else:
+        print(render(report, width=shutil.get_terminal_size((120, 40)).columns))
+    return 0 if report.verdict.passed else EXIT_FAILED
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(width - 1, 0)] + "…"
+
+
+def render(report: Report, width: int = 120) -> str:
+    """A readable table: one line per check; reason and expectation under every non-pass."""
+    name_w = max(len(c.name) for c in report.checks) if report.checks else 10
+    room = max(width - name_w - 9, 30)
+    lines = [
+        f"pool {report.pool}  host {report.hostname or '?'}  {len(report.checks)} checks "
+        f"in {report.duration_ms / 1000:.2f} s",
+        f"{'STATUS':<6}  {'CHECK':<{name_w}}  OBSERVED",
+    ]
+    pad = " " * (name_w + 10)
+    for c in report.checks:
+        shown = f"skipped: {c.reason}" if c.status is Status.SKIP else c.observed
+        lines.append(f"{_MARK[c.status]:<6}  {c.name:<{name_w}}  {_clip(shown, room)}")
+        if c.status in (Status.FAIL, Status.WARN):
+            lines.append(f"{pad}why: {c.reason}")
+            lines.append(f"{pad}expected: {c.expected}")
+    v = report.verdict
+    lines.append("")
+    summary = f"{len(v.failures)} failed, {len(v.warnings)} warning(s)"
+    lines.append(f"verdict: {'PASS' if v.passed else 'FAIL'} ({summary})")
+    lines.extend(f"  - {f.check}: {f.reason}" for f in v.failures)
+    return "\n".join(lines)

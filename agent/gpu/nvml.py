@@ -1,0 +1,231 @@
+"""Everything the checks need from NVML, read in one session through nvidia-ml-py (``pynvml``).
+
+NVML is initialised once (``nvmlInit``), every value is read, and NVML is shut
+down; the result is a plain snapshot. A failed query is recorded as the NVML
+error name (``NVML_ERROR_NOT_SUPPORTED``), never raised: the rules decide what
+an error means. pynvml loads ``libnvidia-ml.so.1`` through the dynamic loader,
+so the driver's library is found the usual way (ld.so.cache, ``LD_LIBRARY_PATH``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.report import JsonValue
+
+log = logging.getLogger(__name__)
+
+Row = dict[str, JsonValue]
+
+
+@dataclass
+class GpuSnapshot:
+    index: int
+    bus_id: str | None = None
+    error: str | None = None  # the GPU cannot be reached at all
+    minor: int | None = None
+    rows: dict[str, Row] = field(default_factory=dict)  # check name -> this GPU's row
+
+
+@dataclass
+class NvmlSnapshot:
+    error: str | None = None
+    message: str | None = None
+    nvml_version: str | None = None
+    driver_version: str | None = None
+    cuda_driver_version: int | None = None
+    count: int = 0
+    gpus: list[GpuSnapshot] = field(default_factory=list)
+
+
+class _Nvml:
+    """The pynvml module plus error naming; created inside :func:`collect` so importing costs nothing."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self.m: Any = pynvml
+        self.names = {
+            v: k for k, v in vars(pynvml).items() if k.startswith("NVML_ERROR_") and isinstance(v, int)
+        }
+
+    def code(self, exc: BaseException) -> str:
+        value = getattr(exc, "value", None)
+        return self.names.get(value, f"NVML_ERROR_{value}") if isinstance(value, int) else type(exc).__name__
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
+        try:
+            return fn(*args), None
+        except self.m.NVMLError as exc:
+            return None, self.code(exc)
+
+    def call_either(self, first: str, fallback: str, *args: Any) -> tuple[Any, str | None]:
+        """Call ``first``; on FUNCTION_NOT_FOUND (an older driver) call ``fallback``."""
+        value, err = self.call(getattr(self.m, first), *args)
+        if err == "NVML_ERROR_FUNCTION_NOT_FOUND":
+            value, err = self.call(getattr(self.m, fallback), *args)
+        return value, err
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def collect() -> NvmlSnapshot:
+    """Initialise NVML once, read every GPU, shut NVML down."""
+    try:
+        nv = _Nvml()
+    except ImportError as exc:
+        return NvmlSnapshot(error="NVML_ERROR_LIBRARY_NOT_FOUND", message=f"nvidia-ml-py missing: {exc}")
+    m = nv.m
+    try:
+        m.nvmlInit()
+    except m.NVMLError as exc:
+        log.info("nvmlInit failed: %s", exc)
+        return NvmlSnapshot(error=nv.code(exc), message=str(exc))
+    try:
+        snap = NvmlSnapshot()
+        value, _ = nv.call(m.nvmlSystemGetNVMLVersion)
+        snap.nvml_version = _text(value) if value is not None else None
+        value, _ = nv.call(m.nvmlSystemGetDriverVersion)
+        snap.driver_version = _text(value) if value is not None else None
+        snap.cuda_driver_version, _ = nv.call(m.nvmlSystemGetCudaDriverVersion_v2)
+        count, err = nv.call(m.nvmlDeviceGetCount)
+        if err is not None:
+            return NvmlSnapshot(error=err, message="nvmlDeviceGetCount failed")
+        snap.count = int(count)
+        snap.gpus = [_gpu(nv, i) for i in range(snap.count)]
+        return snap
+    finally:
+        try:
+            m.nvmlShutdown()
+        except m.NVMLError as exc:
+            log.warning("nvmlShutdown failed: %s", exc)
+
+
+def _gpu(nv: _Nvml, index: int) -> GpuSnapshot:
+    m = nv.m
+    gpu = GpuSnapshot(index=index)
+    try:
+        handle = m.nvmlDeviceGetHandleByIndex(index)
+        gpu.bus_id = _text(m.nvmlDeviceGetPciInfo_v3(handle).busId)
+        uuid = _text(m.nvmlDeviceGetUUID(handle))
+    except m.NVMLError as exc:
+        gpu.error = nv.code(exc)
+        log.warning("GPU %d unreachable through NVML: %s", index, gpu.error)
+        return gpu
+    gpu.minor, _ = nv.call(m.nvmlDeviceGetMinorNumber, handle)
+
+    def row(**values: JsonValue) -> Row:
+        return {"index": index, "bus_id": gpu.bus_id, **values}
+
+    name, err = nv.call(m.nvmlDeviceGetName, handle)
+    gpu.rows["gpu.model"] = row(name=_text(name) if name is not None else None, error=err)
+    serial, serial_err = nv.call(m.nvmlDeviceGetSerial, handle)
+    gpu.rows["gpu.identity"] = row(
+        uuid=uuid, serial=_text(serial) if serial is not None else None, serial_error=serial_err
+    )
+    gpu.rows["gpu.pcie"] = _pcie(nv, handle, row)
+    mode, err = nv.call(m.nvmlDeviceGetEccMode, handle)
+    gpu.rows["gpu.ecc.mode"] = row(
+        current=mode[0] if mode else None, pending=mode[1] if mode else None, error=err
+    )
+    unc, err = nv.call(
+        m.nvmlDeviceGetTotalEccErrors, handle, m.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, m.NVML_VOLATILE_ECC
+    )
+    gpu.rows["gpu.ecc.errors"] = row(volatile_uncorrected=unc, error=err)
+    gpu.rows["gpu.memory"] = row(remapped_rows=_remapped(nv, handle), retired_pages=_retired(nv, handle))
+    pm, err = nv.call(m.nvmlDeviceGetPersistenceMode, handle)
+    gpu.rows["gpu.persistence_mode"] = row(
+        enabled=None if pm is None else pm == m.NVML_FEATURE_ENABLED, error=err
+    )
+    mig, err = nv.call(m.nvmlDeviceGetMigMode, handle)
+    gpu.rows["gpu.mig"] = row(current=mig[0] if mig else None, pending=mig[1] if mig else None, error=err)
+    temp, err = nv.call_either(
+        "nvmlDeviceGetTemperatureV", "nvmlDeviceGetTemperature", handle, m.NVML_TEMPERATURE_GPU
+    )
+    reasons, err2 = nv.call_either(
+        "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons", handle
+    )
+    gpu.rows["gpu.thermal"] = row(temperature_c=temp, clocks_event_reasons=reasons, error=err or err2)
+    gpu.rows["gpu.fabric"] = row(**_fabric(nv, handle))
+    return gpu
+
+
+def _pcie(nv: _Nvml, handle: Any, row: Callable[..., Row]) -> Row:
+    m = nv.m
+    values: dict[str, JsonValue] = {}
+    first_error = None
+    for key, fn in (
+        ("curr_gen", m.nvmlDeviceGetCurrPcieLinkGeneration),
+        ("max_gen", m.nvmlDeviceGetMaxPcieLinkGeneration),
+        ("curr_width", m.nvmlDeviceGetCurrPcieLinkWidth),
+        ("max_width", m.nvmlDeviceGetMaxPcieLinkWidth),
+    ):
+        values[key], err = nv.call(fn, handle)
+        first_error = first_error or err
+    values["gpu_max_gen"], _ = nv.call(m.nvmlDeviceGetGpuMaxPcieLinkGeneration, handle)
+    return row(**values, error=first_error)
+
+
+def _remapped(nv: _Nvml, handle: Any) -> Row:
+    value, err = nv.call(nv.m.nvmlDeviceGetRemappedRows, handle)
+    if err is not None:
+        return {"correctable": None, "uncorrectable": None, "pending": None, "failure": None, "error": err}
+    corr, unc, pending, failure = value
+    return {"correctable": corr, "uncorrectable": unc, "pending": pending, "failure": failure, "error": None}
+
+
+def _retired(nv: _Nvml, handle: Any) -> Row:
+    m = nv.m
+    counts = []
+    for cause in (
+        m.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+        m.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+    ):
+        pages, err = nv.call(m.nvmlDeviceGetRetiredPages, handle, cause)
+        if err is not None:
+            return {"single_bit": None, "double_bit": None, "pending": None, "error": err}
+        counts.append(len(pages))
+    pending, err = nv.call(m.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+    if err is not None:
+        return {"single_bit": None, "double_bit": None, "pending": None, "error": err}
+    return {"single_bit": counts[0], "double_bit": counts[1], "pending": int(pending), "error": None}
+
+
+def _fabric(nv: _Nvml, handle: Any) -> dict[str, JsonValue]:
+    """nvmlDeviceGetGpuFabricInfoV with the v3 structure, or v2 where the driver predates v3."""
+    m = nv.m
+    empty: dict[str, JsonValue] = {
+        "state": None,
+        "status": None,
+        "clique_id": None,
+        "cluster_uuid": None,
+        "health_mask": None,
+    }
+    err: str | None = "NVML_ERROR_FUNCTION_NOT_FOUND"
+    info: Any = None
+    for struct_name in ("c_nvmlGpuFabricInfo_v3_t", "c_nvmlGpuFabricInfo_v2_t"):
+        struct = getattr(m, struct_name, None)
+        if struct is None:
+            continue
+        info = struct()
+        _, err = nv.call(m.nvmlDeviceGetGpuFabricInfoV, handle, ctypes.byref(info))
+        if err != "NVML_ERROR_ARGUMENT_VERSION_MISMATCH":
+            break
+    if err is not None or info is None:
+        return {**empty, "error": err}
+    raw = bytes(info.clusterUuid)
+    h = raw.hex()
+    return {
+        "state": int(info.state),
+        "status": int(info.status),
+        "clique_id": int(info.cliqueId),
+        "cluster_uuid": f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}",
+        "health_mask": int(info.healthMask),
+        "error": None,
+    }

@@ -1,0 +1,447 @@
+"""Pool policies and the verdict: which node may join which pool.
+
+A pool policy says what a node of the pool must have (GPU model and count,
+minimum driver and CUDA versions, MIG, NVSwitch fabric, persistence, the
+control-plane version for the kubelet skew check, free disk), which checks are
+fatal and which only warn, and the labels and taints the node gets at join.
+
+Public API (the server depends on these names and signatures):
+
+* ``PoolPolicy``: a frozen dataclass; ``MigPolicy``, ``Severity``, ``Taint``.
+* ``PRESETS``: ``{"nvke", "lepton-byok", "domino", "cpu"} -> PoolPolicy``; ``preset(name) -> PoolPolicy``.
+* ``policy_from_mapping(data: Mapping[str, Any]) -> PoolPolicy``: a decoded YAML/JSON profile;
+  strict: unknown keys and wrong types raise :class:`PolicyError` naming the key and what it expects.
+* ``assess(observations: Sequence[Observation], policy) -> tuple[tuple[Check, ...], Verdict]``:
+  judge every observation (the agent builds its report with this).
+* ``evaluate(report: Report, policy: PoolPolicy) -> Verdict``: recompute every status and the verdict
+  from the report's observations, ignoring the statuses and verdict the agent wrote. A check the
+  policy needs but the report lacks counts as a problem of that check; malformed observations too.
+* ``evaluate_checks(report, policy) -> tuple[Check, ...]``: the recomputed checks themselves.
+
+Severity: each check has a default (``protocol.rules.RULES``); ``fatal`` and ``warn`` in the
+policy override it by exact name or by glob pattern (``node.*``). An exact name beats a
+pattern; between patterns, ``fatal`` wins. A rule's ``fail`` becomes ``warn`` for a check whose
+severity is ``warn``; a node passes when no check is ``fail``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any
+
+from protocol.errors import PolicyError
+from protocol.report import Check, Finding, JsonValue, Observation, Report, Status, Verdict
+from protocol.rules import CHECK_NAMES, RULES_BY_NAME, Context, Malformed, Severity
+from protocol.rules.node import valid_node_name
+
+__all__ = [
+    "PRESETS",
+    "MigPolicy",
+    "PoolPolicy",
+    "Severity",
+    "Taint",
+    "assess",
+    "evaluate",
+    "evaluate_checks",
+    "policy_from_mapping",
+    "policy_to_mapping",
+    "preset",
+]
+
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+
+class MigPolicy(StrEnum):
+    DISABLED = "disabled"
+    ENABLED = "enabled"
+    ANY = "any"
+
+
+@dataclass(frozen=True, order=True)
+class Taint:
+    key: str
+    effect: str
+    value: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.key}={self.value}:{self.effect}" if self.value else f"{self.key}:{self.effect}"
+
+    @classmethod
+    def parse(cls, text: str) -> Taint:
+        """``key[=value]:Effect`` as ``kubectl taint`` writes it."""
+        head, sep, effect = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"taint {text!r} has no effect; write key[=value]:Effect")
+        key, _, value = head.partition("=")
+        return cls(key=key, value=value, effect=effect)
+
+
+@dataclass(frozen=True)
+class PoolPolicy:
+    name: str
+    description: str = ""
+    gpu_model: str | None = None  # NVML device name, e.g. "NVIDIA H200"; None: any
+    gpu_count: int | None = None  # 0: CPU pool; None: at least one, any number
+    min_driver_version: str | None = None  # "570.124.06"
+    min_cuda_version: str | None = None  # "12.8"
+    mig: MigPolicy = MigPolicy.ANY
+    fabric_required: bool | None = None  # None: required when NVSwitches are on the PCI bus
+    persistence_required: bool = False
+    control_plane_version: str | None = None  # "1.31" or "v1.31.4"
+    kubelet_skew_required: bool = False
+    min_free_disk_gib: int = 20
+    fatal: frozenset[str] = frozenset()
+    warn: frozenset[str] = frozenset()
+    labels: tuple[tuple[str, str], ...] = ()
+    taints: tuple[Taint, ...] = ()
+    allowed_taint_keys: frozenset[str] | None = None  # None: any
+
+    @property
+    def label_map(self) -> dict[str, str]:
+        return dict(self.labels)
+
+    def severity(self, check: str) -> Severity:
+        if check in self.fatal:
+            return Severity.FATAL
+        if check in self.warn:
+            return Severity.WARN
+        if any(fnmatch.fnmatchcase(check, p) for p in self.fatal):
+            return Severity.FATAL
+        if any(fnmatch.fnmatchcase(check, p) for p in self.warn):
+            return Severity.WARN
+        rule = RULES_BY_NAME.get(check)
+        return rule.severity if rule else Severity.FATAL
+
+
+# --------------------------------------------------------------------------- presets
+
+_GPU_TAINT = Taint(key="nvidia.com/gpu", effect="NoSchedule")
+
+PRESETS: Mapping[str, PoolPolicy] = {
+    "nvke": PoolPolicy(
+        name="nvke",
+        description="NVIDIA Kubernetes Engine GPU pool: taint nvidia.com/gpu:NoSchedule at join",
+        taints=(_GPU_TAINT,),
+    ),
+    "lepton-byok": PoolPolicy(
+        name="lepton-byok",
+        description=(
+            "Lepton bring-your-own-Kubernetes GPU pool: no taint but nvidia.com/gpu:NoSchedule, "
+            "kubelet within the skew policy, clocks synchronised"
+        ),
+        taints=(_GPU_TAINT,),
+        allowed_taint_keys=frozenset({"nvidia.com/gpu"}),
+        kubelet_skew_required=True,
+        fatal=frozenset({"node.time_sync", "node.kubelet"}),
+    ),
+    "domino": PoolPolicy(
+        name="domino",
+        description="Domino Data Lab GPU pool: node-pool and GPU labels, clocks synchronised",
+        labels=(("dominodatalab.com/node-pool", "default-gpu"), ("nvidia.com/gpu", "true")),
+        fatal=frozenset({"node.time_sync"}),
+    ),
+    "cpu": PoolPolicy(name="cpu", description="CPU pool: no GPU expected", gpu_count=0),
+}
+
+
+def preset(name: str) -> PoolPolicy:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise PolicyError(f"unknown preset {name!r}; presets: {', '.join(sorted(PRESETS))}") from None
+
+
+# --------------------------------------------------------------------------- parsing
+
+_SCHEMA: dict[str, dict[str, str] | str] = {
+    "name": "str",
+    "preset": "str",
+    "description": "str",
+    "gpu": {
+        "model": "str",
+        "count": "int",
+        "min_driver": "str",
+        "min_cuda": "str",
+        "mig": "str",
+        "fabric_required": "bool",
+        "persistence_required": "bool",
+    },
+    "node": {"control_plane_version": "str", "kubelet_skew_required": "bool", "min_free_disk_gib": "int"},
+    "checks": {"fatal": "list", "warn": "list"},
+    "join": {"labels": "map", "taints": "list"},
+}
+_TYPE_TEXT = {
+    "str": "a string",
+    "int": "an integer",
+    "bool": "true or false",
+    "list": "a list",
+    "map": "a mapping",
+}
+
+
+def _type_ok(value: Any, kind: str) -> bool:
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "list":
+        return isinstance(value, list)
+    return isinstance(value, Mapping)
+
+
+def _validate_shape(data: Any) -> None:
+    if not isinstance(data, Mapping):
+        raise PolicyError(f"a pool profile must be a mapping, got {type(data).__name__}")
+    for key, value in data.items():
+        spec = _SCHEMA.get(key) if isinstance(key, str) else None
+        if spec is None:
+            raise PolicyError(f"unknown key {key!r}; allowed: {', '.join(_SCHEMA)}")
+        if isinstance(spec, dict):
+            if not isinstance(value, Mapping):
+                raise PolicyError(f"{key}: expected a mapping with keys {', '.join(spec)}")
+            for sub, subvalue in value.items():
+                kind = spec.get(sub) if isinstance(sub, str) else None
+                if kind is None:
+                    raise PolicyError(f"unknown key {key}.{sub}; allowed in {key}: {', '.join(spec)}")
+                if not _type_ok(subvalue, kind):
+                    hint = " (quote version numbers: '12.8')" if isinstance(subvalue, float) else ""
+                    raise PolicyError(
+                        f"{key}.{sub}: expected {_TYPE_TEXT[kind]}, got {type(subvalue).__name__} "
+                        f"{subvalue!r}{hint}"
+                    )
+        elif not _type_ok(value, spec):
+            raise PolicyError(f"{key}: expected {_TYPE_TEXT[spec]}, got {type(value).__name__} {value!r}")
+
+
+def _version(key: str, text: str, parts: tuple[int, ...]) -> str:
+    pieces = text.removeprefix("v").split(".")
+    if len(pieces) not in parts or not all(p.isdigit() for p in pieces):
+        shape = {(2, 3, 4): "like 570.124.06", (2,): "like 12.8", (2, 3): "like 1.31 or v1.31.4"}[parts]
+        raise PolicyError(f"{key}: {text!r} is not a version {shape}")
+    return text
+
+
+def _check_patterns(key: str, items: list[Any]) -> frozenset[str]:
+    out = set()
+    for item in items:
+        if not isinstance(item, str):
+            raise PolicyError(f"{key}: entries must be check names (strings), got {item!r}")
+        if not any(fnmatch.fnmatchcase(n, item) for n in CHECK_NAMES):
+            raise PolicyError(f"{key}: {item!r} names no check; checks: {', '.join(CHECK_NAMES)}")
+        out.add(item)
+    return frozenset(out)
+
+
+def _label_part_ok(text: str, limit: int) -> bool:
+    return len(text) <= limit and bool(re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", text))
+
+
+def _label_key_ok(key: str) -> bool:
+    prefix, sep, name = key.rpartition("/")
+    if sep and (not prefix or valid_node_name(prefix) is not None):
+        return False
+    return bool(name) and _label_part_ok(name, 63)
+
+
+def _labels(items: Mapping[Any, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in items.items():
+        if not isinstance(k, str) or not _label_key_ok(k):
+            raise PolicyError(f"join.labels: {k!r} is not a valid label key ([prefix/]name)")
+        if not isinstance(v, str):
+            raise PolicyError(
+                f"join.labels.{k}: expected a string value, got {type(v).__name__} {v!r} (quote it)"
+            )
+        if not _label_part_ok(v, 63):
+            raise PolicyError(f"join.labels.{k}: {v!r} is not a valid label value")
+        out[k] = v
+    return out
+
+
+def _taints(items: list[Any]) -> tuple[Taint, ...]:
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            try:
+                taint = Taint.parse(item)
+            except ValueError as exc:
+                raise PolicyError(f"join.taints: {exc}") from None
+        elif isinstance(item, Mapping):
+            unknown = set(item) - {"key", "value", "effect"}
+            if unknown or not all(isinstance(item.get(k, ""), str) for k in ("key", "value", "effect")):
+                raise PolicyError(f"join.taints: {dict(item)!r} must have string key, value, effect only")
+            taint = Taint(
+                key=item.get("key", ""), value=item.get("value", ""), effect=item.get("effect", "")
+            )
+        else:
+            raise PolicyError(f"join.taints: {item!r} must be 'key[=value]:Effect' or a mapping")
+        if not _label_key_ok(taint.key):
+            raise PolicyError(f"join.taints: {taint.key!r} is not a valid taint key")
+        if taint.value and not _label_part_ok(taint.value, 63):
+            raise PolicyError(f"join.taints: {taint.value!r} is not a valid taint value")
+        if taint.effect not in TAINT_EFFECTS:
+            raise PolicyError(
+                f"join.taints: effect {taint.effect!r} is not one of {', '.join(TAINT_EFFECTS)}"
+            )
+        out.append(taint)
+    return tuple(out)
+
+
+def policy_from_mapping(data: Mapping[str, Any]) -> PoolPolicy:
+    """Build a policy from a decoded profile; ``preset`` (optional) is the base the keys override."""
+    _validate_shape(data)
+    base = preset(data["preset"]) if "preset" in data else PoolPolicy(name="")
+    changes: dict[str, Any] = {}
+    name = data.get("name", base.name)
+    if not name or valid_node_name(name) is not None:
+        raise PolicyError(
+            f"name: {name!r} must be a lower-case DNS name (required unless a preset gives one)"
+        )
+    changes["name"] = name
+    if "description" in data:
+        changes["description"] = data["description"]
+    gpu: Mapping[str, Any] = data.get("gpu", {})
+    if "model" in gpu:
+        if not gpu["model"].strip():
+            raise PolicyError("gpu.model: must not be empty (omit it to allow any model)")
+        changes["gpu_model"] = gpu["model"].strip()
+    if "count" in gpu:
+        if gpu["count"] < 0:
+            raise PolicyError("gpu.count: must be 0 (a CPU pool) or more")
+        changes["gpu_count"] = gpu["count"]
+    if "min_driver" in gpu:
+        changes["min_driver_version"] = _version("gpu.min_driver", gpu["min_driver"], (2, 3, 4))
+    if "min_cuda" in gpu:
+        changes["min_cuda_version"] = _version("gpu.min_cuda", gpu["min_cuda"], (2,))
+    if "mig" in gpu:
+        try:
+            changes["mig"] = MigPolicy(gpu["mig"])
+        except ValueError:
+            raise PolicyError(f"gpu.mig: {gpu['mig']!r} is not one of disabled, enabled, any") from None
+    for key in ("fabric_required", "persistence_required"):
+        if key in gpu:
+            changes[key] = gpu[key]
+    node: Mapping[str, Any] = data.get("node", {})
+    if "control_plane_version" in node:
+        changes["control_plane_version"] = _version(
+            "node.control_plane_version", node["control_plane_version"], (2, 3)
+        )
+    if "kubelet_skew_required" in node:
+        changes["kubelet_skew_required"] = node["kubelet_skew_required"]
+    if "min_free_disk_gib" in node:
+        if node["min_free_disk_gib"] < 0:
+            raise PolicyError("node.min_free_disk_gib: must not be negative")
+        changes["min_free_disk_gib"] = node["min_free_disk_gib"]
+    checks: Mapping[str, Any] = data.get("checks", {})
+    fatal = _check_patterns("checks.fatal", checks.get("fatal", []))
+    warn = _check_patterns("checks.warn", checks.get("warn", []))
+    if both := sorted(fatal & warn):
+        raise PolicyError(f"checks: {', '.join(both)} listed as both fatal and warn")
+    changes["fatal"] = (base.fatal - warn) | fatal
+    changes["warn"] = (base.warn - fatal) | warn
+    join: Mapping[str, Any] = data.get("join", {})
+    labels = {**base.label_map, **_labels(join.get("labels", {}))}
+    changes["labels"] = tuple(sorted(labels.items()))
+    if "taints" in join:
+        changes["taints"] = _taints(join["taints"])
+    policy = replace(base, **changes)
+    if policy.allowed_taint_keys is not None:
+        extra = sorted(str(t) for t in policy.taints if t.key not in policy.allowed_taint_keys)
+        if extra:
+            raise PolicyError(
+                f"join.taints: {', '.join(extra)} not allowed in a {data.get('preset')} pool "
+                f"(allowed keys: {', '.join(sorted(policy.allowed_taint_keys))})"
+            )
+    return policy
+
+
+def policy_to_mapping(policy: PoolPolicy) -> dict[str, Any]:
+    """A profile mapping that :func:`policy_from_mapping` turns into an equal policy (presets resolved)."""
+    gpu: dict[str, Any] = {
+        "mig": str(policy.mig),
+        "persistence_required": policy.persistence_required,
+    }
+    for key, value in (
+        ("model", policy.gpu_model),
+        ("count", policy.gpu_count),
+        ("min_driver", policy.min_driver_version),
+        ("min_cuda", policy.min_cuda_version),
+        ("fabric_required", policy.fabric_required),
+    ):
+        if value is not None:
+            gpu[key] = value
+    node: dict[str, Any] = {
+        "kubelet_skew_required": policy.kubelet_skew_required,
+        "min_free_disk_gib": policy.min_free_disk_gib,
+    }
+    if policy.control_plane_version is not None:
+        node["control_plane_version"] = policy.control_plane_version
+    return {
+        "name": policy.name,
+        "description": policy.description,
+        "gpu": gpu,
+        "node": node,
+        "checks": {"fatal": sorted(policy.fatal), "warn": sorted(policy.warn)},
+        "join": {"labels": dict(policy.labels), "taints": [str(t) for t in policy.taints]},
+    }
+
+
+# --------------------------------------------------------------------------- verdict
+
+
+def _judge(rule_name: str, ctx: Context, observation: Observation | None, policy: PoolPolicy) -> Check:
+    rule = RULES_BY_NAME[rule_name]
+    observations: Mapping[str, JsonValue]
+    if observation is None:
+        status, observed, expected = Status.FAIL, "missing", rule.passes_when
+        reason, source, observations = "the report has no result for this check", rule.source, {}
+    else:
+        source, observations = observation.source, observation.observations
+        try:
+            out = rule.fn(ctx)
+            status, observed, expected, reason = out.status, out.observed, out.expected, out.reason
+        except Malformed as exc:
+            status, observed, expected = Status.FAIL, "malformed", rule.passes_when
+            reason = f"observations malformed: {exc}"
+    if status is Status.FAIL and policy.severity(rule_name) is Severity.WARN:
+        status = Status.WARN
+    return Check(rule_name, status, observed, expected, source, reason, observations)
+
+
+def _verdict(checks: Sequence[Check]) -> Verdict:
+    failures = tuple(Finding(c.name, c.reason) for c in checks if c.status is Status.FAIL)
+    warnings = tuple(Finding(c.name, c.reason) for c in checks if c.status is Status.WARN)
+    return Verdict(passed=not failures, failures=failures, warnings=warnings)
+
+
+def assess(observations: Sequence[Observation], policy: PoolPolicy) -> tuple[tuple[Check, ...], Verdict]:
+    """Judge observations under ``policy``: one :class:`Check` per known check, then the verdict.
+
+    Observations of unknown checks are kept out of the verdict and reported as warnings.
+    """
+    by_name: dict[str, Observation] = {}
+    for o in observations:
+        by_name.setdefault(o.name, o)
+    ctx = Context(policy, by_name)
+    checks = [_judge(name, ctx, by_name.get(name), policy) for name in CHECK_NAMES]
+    verdict = _verdict(checks)
+    unknown = sorted(set(by_name) - set(CHECK_NAMES))
+    if unknown:
+        notes = tuple(Finding(n, "unknown check, not evaluated by this version") for n in unknown)
+        verdict = replace(verdict, warnings=verdict.warnings + notes)
+    return tuple(checks), verdict
+
+
+def evaluate_checks(report: Report, policy: PoolPolicy) -> tuple[Check, ...]:
+    return assess([Observation(c.name, c.source, c.observations) for c in report.checks], policy)[0]
+
+
+def evaluate(report: Report, policy: PoolPolicy) -> Verdict:
+    """The verdict recomputed from ``report``'s observations alone."""
+    return assess([Observation(c.name, c.source, c.observations) for c in report.checks], policy)[1]
