@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from cryptography.x509.oid import NameOID
 
 from server.ek import der
 
@@ -29,6 +29,7 @@ TCG_VERSION = x509.ObjectIdentifier("2.23.133.2.3")
 TCG_EK_CERTIFICATE = x509.ObjectIdentifier("2.23.133.8.1")
 
 PrivateKey = rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey
+SignHash = hashes.SHA256 | hashes.SHA384 | hashes.SHA512
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,12 @@ def spki(key: PrivateKey | rsa.RSAPublicKey | ec.EllipticCurvePublicKey) -> byte
     return public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
-def _sign(builder: x509.CertificateBuilder, key: PrivateKey, hash_alg: hashes.HashAlgorithm, pss: bool) -> x509.Certificate:
+def _sign(
+    builder: x509.CertificateBuilder, key: PrivateKey, hash_alg: SignHash, pss: bool
+) -> x509.Certificate:
     if pss:
-        return builder.sign(
-            key, hash_alg, rsa_padding=padding.PSS(mgf=padding.MGF1(hash_alg), salt_length=hash_alg.digest_size)
-        )
+        pss_padding = padding.PSS(mgf=padding.MGF1(hash_alg), salt_length=hash_alg.digest_size)
+        return builder.sign(key, hash_alg, rsa_padding=pss_padding)
     return builder.sign(key, hash_alg)
 
 
@@ -69,13 +71,18 @@ def make_ca(
     basic_constraints: bool = True,
     path_length: int | None = None,
     key_cert_sign: bool = True,
-    hash_alg: hashes.HashAlgorithm | None = None,
+    hash_alg: SignHash | None = None,
     pss: bool = False,
     serial: int = 0x1000,
     extra: tuple[x509.ExtensionType, bool] | None = None,
 ) -> Issued:
     """A CA certificate: self-signed when ``issuer`` is None."""
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name), x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Test TPM Vendor")])  # fmt: skip
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COMMON_NAME, name),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "Test TPM Vendor"),
+        ]
+    )
     signer_key = key if issuer is None else issuer.key
     issuer_name = subject if issuer is None else issuer.cert.subject
     builder = (
@@ -120,7 +127,7 @@ def make_ek(
     not_after: dt.datetime = EK_UNTIL,
     ca: bool = False,
     key_usage: str | None = "auto",  # "auto": keyEncipherment (RSA) / keyAgreement (ECC); None: absent
-    hash_alg: hashes.HashAlgorithm | None = None,
+    hash_alg: SignHash | None = None,
     pss: bool = False,
     serial: int = 0x4E4B,
     extra: tuple[x509.ExtensionType, bool] | None = None,
@@ -153,7 +160,8 @@ def make_ek(
                 )
             ]
         )
-        builder = builder.add_extension(x509.SubjectAlternativeName([x509.DirectoryName(tpm)]), critical=True)
+        san_ext = x509.SubjectAlternativeName([x509.DirectoryName(tpm)])
+        builder = builder.add_extension(san_ext, critical=True)
     if key_usage is not None:
         rsa_key = isinstance(key, rsa.RSAPrivateKey)
         encipher = key_usage == "encipherment" or (key_usage == "auto" and rsa_key)
@@ -177,10 +185,6 @@ def make_ek(
     return Issued(_sign(builder, issuer.key, hash_alg or hashes.SHA256(), pss), key)
 
 
-def server_auth_eku() -> x509.ExtendedKeyUsage:
-    return x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH])
-
-
 def tlv(tag: int, content: bytes) -> bytes:
     """DER encoding of one element."""
     n = len(content)
@@ -199,7 +203,7 @@ def resign_with_tbs_edit(cert: Issued, old: bytes, new: bytes, issuer_key: Priva
 
 
 def assemble(tbs: bytes, template_der: bytes, issuer_key: PrivateKey) -> bytes:
-    """A certificate from ``tbs`` signed by ``issuer_key`` with the signature algorithm of ``template_der``."""
+    """A certificate from ``tbs``, signed by ``issuer_key``, with ``template_der``'s signature algorithm."""
     quirks: set[str] = set()
     outer = der.read_tlv(template_der, 0, len(template_der), quirks)
     parts = der.children(outer, quirks)

@@ -44,7 +44,8 @@ NUVOTON_ROOT = "nuvoton-tpm-root-ca-2111.pem"
 
 def ek_of(cert_der: bytes, key_der: bytes | None = None) -> EkData:
     """What an honest agent sends: the certificate and the PUBLIC KEY block taken from it."""
-    return EkData(public_key_der=key_der or parse_certificate(cert_der).public_key.der, certificate_der=cert_der)
+    key = key_der or parse_certificate(cert_der).public_key.der
+    return EkData(public_key_der=key, certificate_der=cert_der)
 
 
 def subject_of(path: Path) -> str:
@@ -119,7 +120,8 @@ def test_real_ek_time_window(real: RealEk, real_trust: EkTrust, tpm_data: Path) 
     early = real_trust.verify(ek, now=cert.not_before - dt.timedelta(seconds=1))
     assert (early.trusted, early.reason_code) == (False, "ek_cert_not_yet_valid")
     assert real_trust.verify(ek, now=cert.not_before).trusted  # the bounds are inclusive
-    chain_end = min(parse_certificate(read_cert_der(tpm_data / "manufacturer-ca" / n)).not_after for n in real.chain)
+    ca = tpm_data / "manufacturer-ca"
+    chain_end = min(parse_certificate(read_cert_der(ca / name)).not_after for name in real.chain)
     at_end = real_trust.verify(ek, now=cert.not_after)
     if cert.not_after <= chain_end:
         assert at_end.trusted
@@ -208,7 +210,9 @@ def test_unparsable_ca_file_is_skipped_and_reported(
 ) -> None:
     real = next(ek for ek in REAL_EKS if ek.file == "infineon-slb9670-rsa-ek-ca007.der")
     ca_dir = link_dir([tpm_data / "manufacturer-ca" / name for name in real.chain])
-    (ca_dir / "broken.pem").write_bytes(b"-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----\n")
+    (ca_dir / "broken.pem").write_bytes(
+        b"-----BEGIN CERTIFICATE-----\nnot base64!\n-----END CERTIFICATE-----"
+    )
     (ca_dir / "garbage.der").write_bytes(b"\x30\x82\xff\xff" + os.urandom(64))
     (ca_dir / "notes.txt").write_text("vendor bundle downloaded 2026-05-01\n")
     with caplog.at_level(logging.WARNING, logger="server.ek"):
