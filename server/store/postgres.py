@@ -229,6 +229,9 @@ def _connection_params(
     except psycopg.Error as exc:
         # The message names the bad part of the DSN; it does not repeat the DSN (which may hold a password).
         raise ConfigError(f"invalid PostgreSQL DSN: {_first_line(exc)}") from exc
+    for port in str(params.get("port") or "5432").split(","):
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"invalid PostgreSQL DSN: port {port!r} is not a TCP port number")
     for key, value in _CONNECTION_DEFAULTS.items():
         params.setdefault(key, value)
     params.setdefault("connect_timeout", str(max(2, connect_timeout)))

@@ -15,19 +15,12 @@ from typing import Any
 import pytest
 
 from server.store.sql import SqlStore
-from tests.store.helpers import open_backend
-from tests.store.pgcluster import PostgresCluster, PostgresMissingError
+from tests.store.helpers import make_cluster, open_backend
+from tests.store.pgcluster import PostgresCluster
 
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 
 OpenStore = Callable[..., SqlStore]
-
-
-def make_cluster(name: str) -> PostgresCluster:
-    try:
-        return PostgresCluster(name=name)
-    except PostgresMissingError as exc:
-        pytest.fail(str(exc), pytrace=False)
 
 
 @pytest.fixture(scope="session")

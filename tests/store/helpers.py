@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from server.store import AgentRecord, TokenRecord, sqlite_path
 from server.store.postgres import PostgresStore
 from server.store.sql import SqlStore
 from server.store.sqlite import SqliteStore
+from tests.store.pgcluster import PostgresCluster, PostgresMissingError
 
 FAR_FUTURE = 4_000_000_000
 REPO = Path(__file__).resolve().parents[2]
@@ -39,6 +41,14 @@ def spawn_worker(*args: str, stdin: int | None = None) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def make_cluster(name: str) -> PostgresCluster:
+    """A new PostgreSQL cluster (not started); fails the test, naming the package, if it is missing."""
+    try:
+        return PostgresCluster(name=name)
+    except PostgresMissingError as exc:
+        pytest.fail(str(exc), pytrace=False)
 
 
 def open_backend(dsn: str, **options: Any) -> SqlStore:

@@ -105,10 +105,10 @@ class PostgresCluster:
             )
         return result
 
-    def start(self) -> None:
-        """Start on a free port (another one if that port got taken meanwhile); wait until it accepts."""
-        for _ in range(5):
-            self.port = free_port()
+    def start(self, port: int | None = None) -> None:
+        """Start on ``port`` or a free one (another if it got taken meanwhile); wait until it accepts."""
+        for _ in range(1 if port else 5):
+            self.port = port or free_port()
             options = (
                 f"-c listen_addresses={self.host} -c port={self.port}"
                 f" -c unix_socket_directories={self.sockets}"
