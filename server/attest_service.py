@@ -29,6 +29,7 @@ from server.audit import AuditLog
 from server.ca import CertificateAuthority
 from server.errors import (
     BannedError,
+    CancelledByClientError,
     ChallengeTimeoutError,
     InvalidRequestError,
     PayloadTooLargeError,
@@ -89,7 +90,12 @@ class AgentService(agent_pb2_grpc.AgentServicer):
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def _next(self, it: AsyncIterator[agent_pb2.AttestAgentRequest], what: str) -> agent_pb2.AttestAgentRequest:
+    async def _next(
+        self,
+        it: AsyncIterator[agent_pb2.AttestAgentRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+        what: str,
+    ) -> agent_pb2.AttestAgentRequest:
         try:
             return await asyncio.wait_for(it.__anext__(), self.challenge_timeout)
         except TimeoutError:
@@ -97,7 +103,11 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 f"no {what} within {self.challenge_timeout:g} s", reason="challenge_timeout" if "response" in what else "params_timeout"
             ) from None
         except StopAsyncIteration:
-            raise InvalidRequestError(f"the stream ended before the {what}", reason="stream_ended") from None
+            # The client closed or reset its side without sending what the protocol needs next.
+            raise CancelledByClientError(
+                f"the client closed or cancelled the stream before the {what}",
+                reason="cancelled" if context.cancelled() else "stream_ended",
+            ) from None
 
     async def AttestAgent(  # noqa: N802 - gRPC method name
         self, request_iterator: AsyncIterator[agent_pb2.AttestAgentRequest], context: grpc.aio.ServicerContext[Any, Any]
@@ -105,6 +115,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         attempt = _Attempt(peer=context.peer() or "")
         try:
             await self._attest(request_iterator, context, attempt)
+        except CancelledByClientError as err:
+            self._finish(attempt, "cancelled", err.reason, err.grpc_code, err.message)
         except ServerError as err:
             self._finish(attempt, "denied" if err.grpc_code == "PERMISSION_DENIED" else "error", err.reason, err.grpc_code, err.message)
             await context.abort(grpc_status(err), err.message)
@@ -124,7 +136,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         context: grpc.aio.ServicerContext[Any, Any],
         attempt: _Attempt,
     ) -> None:
-        first = await self._next(it, "attestation parameters")
+        first = await self._next(it, context, "attestation parameters")
         if first.WhichOneof("step") != "params":
             raise InvalidRequestError("malformed param: the first message must carry params", reason="malformed_params")
         params = first.params
@@ -156,7 +168,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         pending = attestor.begin(params.data.payload)
         attempt.ek_method = pending.ek_method
         await context.write(agent_pb2.AttestAgentResponse(challenge=pending.challenge))
-        reply = await self._next(it, "challenge response")
+        reply = await self._next(it, context, "challenge response")
         if reply.WhichOneof("step") != "challenge_response":
             raise InvalidRequestError(
                 "expected a challenge_response; got a second params message on the same stream", reason="unexpected_params"

@@ -107,3 +107,10 @@ class TokenBackendError(ServerError):
 
     grpc_code = "UNAVAILABLE"
     reason = "token_backend"
+
+
+class CancelledByClientError(ServerError):
+    """The client cancelled or reset the stream mid-flow."""
+
+    grpc_code = "CANCELLED"
+    reason = "cancelled"
