@@ -200,6 +200,7 @@ class EkTrust:
         self._next_check = time.monotonic() + config.recheck_interval_s
         self.cache_hits = 0
         self.cache_misses = 0
+        self._warned: set[object] = set()
 
     @classmethod
     def load(cls, config: EkTrustConfig, *, clock: Callable[[], datetime] | None = None) -> EkTrust:
@@ -289,7 +290,7 @@ class EkTrust:
             reason = f"EK public-key hash {ek_hash} is listed in hash_dir (certificate: {ca.reason})"
             return EkVerdict(True, "hash", reason, OK, (), ek_hash, ca.tpm, ca.quirks, ca.warnings)
         reason = ca.reason
-        if self.mode == "ca_or_hash" and not listed:
+        if self._hashes is not None and not listed:
             reason += f"; and {self._not_listed(ek_hash)}"
         return EkVerdict(False, "", reason, ca.code, (), ek_hash, ca.tpm, ca.quirks, ca.warnings)
 
@@ -299,7 +300,7 @@ class EkTrust:
     def _not_listed(self, ek_hash: str) -> str:
         directory = self.config.hash_dir
         if self._hashes is None or directory is None:
-            return f"its hash {ek_hash} is not listed (no hash_dir configured)"
+            return f"there is no hash_dir to list its hash {ek_hash} in"
         return (
             f"EK public-key hash {ek_hash} is not listed in hash_dir {directory}: "
             f"to trust it, create {directory / ek_hash}"
@@ -380,14 +381,21 @@ class EkTrust:
                     f"follow the TCG EK profile: {'; '.join(warnings)} (tcg_profile: warn accepts it)"
                 )
                 return _LeafEntry(cert, (CERT_PROFILE, reason), warnings=warnings)
-            if warnings:
+            if warnings and self._first_time((cert.issuer.key, warnings)):
                 log.warning(
-                    "EK certificate (issuer '%s', serial %s) deviates from the TCG EK profile: %s",
+                    "EK certificates of '%s' deviate from the TCG EK profile (first: serial %s): %s; "
+                    "accepted (tcg_profile: warn); logged once per issuer and deviation",
                     cert.issuer.text,
                     cert.serial_hex,
                     "; ".join(warnings),
                 )
         return _LeafEntry(cert, None, store.build_paths(cert, self._policy), warnings)
+
+    def _first_time(self, key: object) -> bool:
+        if key in self._warned or len(self._warned) >= _MAX_WARNED:
+            return False
+        self._warned.add(key)
+        return True
 
     # -- reloading ---------------------------------------------------------------------------------
 
@@ -406,6 +414,7 @@ class EkTrust:
             self._cache.clear()
 
 
+_MAX_WARNED = 1024
 _NO_CERTIFICATE = (
     "the agent sent no EK certificate (its TPM has none in NV, as with Intel PTT and AMD fTPM): "
     "list the node's EK hash in hash_dir (mode ca_or_hash) to trust it"
