@@ -22,6 +22,8 @@
  *   persistence mig_current mig_pending temperature clocks_event_reasons
  *   fabric_state fabric_status fabric_clique fabric_cluster_uuid (32 hex) fabric_health_mask
  * "handle_error" fails nvmlDeviceGetHandleByIndex_v2; "error" fails every query on the GPU.
+ * If NVML_DOUBLE_CALL_LOG names a file, nvmlInitWithFlags and nvmlShutdown append their names to it,
+ * so tests can see how often the agent initialises NVML.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -168,8 +170,18 @@ static int load(void) {
     return NVML_SUCCESS;
 }
 
+static void log_call(const char *fn) {
+    const char *path = getenv("NVML_DOUBLE_CALL_LOG");
+    if (!path) return;
+    FILE *f = fopen(path, "a");
+    if (!f) return;
+    fprintf(f, "%s\n", fn);
+    fclose(f);
+}
+
 nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
     (void)flags;
+    log_call(__func__);
     if (!loaded) {
         int rc = load();
         if (rc) return rc;
@@ -180,6 +192,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
 }
 nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
 nvmlReturn_t nvmlShutdown(void) {
+    log_call(__func__);
     if (!initialised) return NVML_ERROR_UNINITIALIZED;
     initialised--;
     return NVML_SUCCESS;
