@@ -160,6 +160,8 @@ class CaStore:
             path = Path(entry.path)
             try:
                 if not entry.is_file(follow_symlinks=True):
+                    if entry.is_symlink() and not path.exists():
+                        raise OSError("broken symbolic link")
                     log.debug("EK CA directory: ignoring %s (not a regular file)", path)
                     continue
                 if entry.stat().st_size > _MAX_FILE_BYTES:

@@ -452,6 +452,11 @@ def _tpm_text(cert: Certificate) -> str:
 
 
 def _key_mismatch_reason(cert: Certificate, spki_der: bytes) -> str:
+    if cert.public_key.kind == "unsupported":
+        return (
+            f"the EK certificate's public key ({cert.public_key.description}, certificate serial "
+            f"{cert.serial_hex}) is of a type the server does not support (RSA and ECC P-256/384/521 are)"
+        )
     try:
         sent = parse_spki(spki_der, set()).description
     except DerError:

@@ -215,10 +215,13 @@ def test_unparsable_ca_file_is_skipped_and_reported(
     )
     (ca_dir / "garbage.der").write_bytes(b"\x30\x82\xff\xff" + os.urandom(64))
     (ca_dir / "notes.txt").write_text("vendor bundle downloaded 2026-05-01\n")
+    (ca_dir / "gone.pem").symlink_to(ca_dir / "deleted-vendor-file.pem")
+    (ca_dir / "subdir").mkdir()  # not a file: ignored
     with caplog.at_level(logging.WARNING, logger="server.ek"):
         trust = EkTrust.load(EkTrustConfig(ca_dir=ca_dir), clock=lambda: NOW)
     skipped = {item.path.name: item.reason for item in trust.skipped_files}
-    assert set(skipped) == {"broken.pem", "garbage.der", "notes.txt"}
+    assert set(skipped) == {"broken.pem", "garbage.der", "notes.txt", "gone.pem"}
+    assert "broken symbolic link" in skipped["gone.pem"]
     assert "invalid base64" in skipped["broken.pem"]
     assert "not a certificate" in skipped["garbage.der"]
     assert all(name in caplog.text for name in skipped)
