@@ -23,13 +23,24 @@ from protocol._gen.spire.api.server.agent.v1 import agent_pb2
 from protocol._gen.spire.api.types import attestation_pb2
 from protocol.errors import ProtocolError
 from protocol.spiffe import server_id
-from protocol.tpm_payload import ATTESTOR_TYPE, decode_challenge, encode_attestation_data, encode_challenge_response
+from protocol.tpm_payload import (
+    ATTESTOR_TYPE,
+    decode_challenge,
+    encode_attestation_data,
+    encode_challenge_response,
+)
 
 log = logging.getLogger(__name__)
 
 ATTEST_METHOD = "/spire.api.server.agent.v1.Agent/AttestAgent"
 # gRPC status codes after which retrying the same evidence cannot help.
-PERMANENT_STATUSES = {"INVALID_ARGUMENT", "PERMISSION_DENIED", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED", "UNIMPLEMENTED"}
+PERMANENT_STATUSES = {
+    "INVALID_ARGUMENT",
+    "PERMISSION_DENIED",
+    "FAILED_PRECONDITION",
+    "RESOURCE_EXHAUSTED",
+    "UNIMPLEMENTED",
+}
 
 
 @dataclass(frozen=True)
@@ -76,7 +87,9 @@ async def attest_async(
     try:
         tls = SpiffeTLSContext(target.bundle_pem, [expected])
     except ValueError as exc:
-        raise ServerNotTrustedError(str(exc), hint="point --bundle at the output of `nodeserver bundle`") from exc
+        raise ServerNotTrustedError(
+            str(exc), hint="point --bundle at the output of `nodeserver bundle`"
+        ) from exc
     key = new_key()
     store.write_key(key)
     csr = make_csr(key)
@@ -101,7 +114,8 @@ async def attest_async(
             reply = await stream.recv_message()
             if reply is None or reply.WhichOneof("step") != "challenge":
                 raise AttestationRefusedError(
-                    "the server did not send the tpm challenge", hint="check that the server runs the tpm attestor"
+                    "the server did not send the tpm challenge",
+                    hint="check that the server runs the tpm attestor",
                 )
             try:
                 credential = decode_challenge(reply.challenge)
@@ -140,7 +154,7 @@ async def attest_async(
             f"the server at {target.host}:{target.port} is not trusted: {getattr(exc, 'verify_message', None) or exc.args[0]}",
             hint=f"check --bundle (it must hold the CA of {target.trust_domain}) and --trust-domain",
         ) from exc
-    except (OSError, StreamTerminatedError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, StreamTerminatedError) as exc:
         store.discard_pending()
         raise ServerUnavailableError(
             f"cannot reach the server at {target.host}:{target.port}: {exc or type(exc).__name__}",

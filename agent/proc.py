@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 class CommandError(AgentError):
     """A command could not be started, timed out, or exited non-zero when that was not allowed."""
 
-    def __init__(self, message: str, *, argv: Sequence[str], returncode: int | None, output: str = "") -> None:
+    def __init__(
+        self, message: str, *, argv: Sequence[str], returncode: int | None, output: str = ""
+    ) -> None:
         super().__init__(message, hint=f"run `{shlex.join(argv)}` by hand to see the whole output")
         self.argv = list(argv)
         self.returncode = returncode
@@ -68,7 +70,9 @@ def run(
     except FileNotFoundError as exc:
         raise CommandError(f"{argv[0]} is not installed or not on PATH", argv=argv, returncode=None) from exc
     except subprocess.TimeoutExpired as exc:
-        raise CommandError(f"{argv[0]} did not finish within {timeout:.0f} s", argv=argv, returncode=None) from exc
+        raise CommandError(
+            f"{argv[0]} did not finish within {timeout:.0f} s", argv=argv, returncode=None
+        ) from exc
     result = Completed(list(argv), proc.returncode, proc.stdout, proc.stderr)
     if check and proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]

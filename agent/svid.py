@@ -37,7 +37,8 @@ class Svid:
 
     def chain_pem(self) -> bytes:
         return b"".join(
-            x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM) for der in self.cert_chain_der
+            x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM)
+            for der in self.cert_chain_der
         )
 
 
@@ -47,7 +48,12 @@ def new_key() -> ec.EllipticCurvePrivateKey:
 
 def make_csr(key: ec.EllipticCurvePrivateKey) -> bytes:
     """A DER CSR like SPIRE's ``MakeCSRWithoutURISAN`` (C=US, O=SPIRE; ECDSA-SHA256)."""
-    subject = x509.Name([x509.NameAttribute(NameOID.COUNTRY_NAME, "US"), x509.NameAttribute(NameOID.ORGANIZATION_NAME, "SPIRE")])
+    subject = x509.Name(
+        [
+            x509.NameAttribute(NameOID.COUNTRY_NAME, "US"),
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "SPIRE"),
+        ]
+    )
     csr = x509.CertificateSigningRequestBuilder().subject_name(subject).sign(key, hashes.SHA256())
     return csr.public_bytes(serialization.Encoding.DER)
 
@@ -72,14 +78,18 @@ class SvidStore:
 
     def write_key(self, key: ec.EllipticCurvePrivateKey) -> None:
         ensure_private_dir(self.dir)
-        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         write_atomic(self.key_path.with_suffix(".key.new"), pem, 0o600)
 
     def commit(self, svid: Svid, bundle_pem: bytes) -> None:
         """Make the new key and SVID current together (key first; both atomic)."""
         pending = self.key_path.with_suffix(".key.new")
         if not pending.exists():
-            raise StateError(f"no pending key at {pending}", hint="this is a bug: write_key() must come first")
+            raise StateError(
+                f"no pending key at {pending}", hint="this is a bug: write_key() must come first"
+            )
         pending.replace(self.key_path)
         write_atomic(self.cert_path, svid.chain_pem(), 0o644)
         write_atomic(self.bundle_path, bundle_pem, 0o644)
@@ -94,5 +104,7 @@ class SvidStore:
         try:
             cert = x509.load_pem_x509_certificate(self.cert_path.read_bytes())
         except ValueError as exc:
-            raise StateError(f"{self.cert_path} is not a PEM certificate", hint="remove it and attest again") from exc
+            raise StateError(
+                f"{self.cert_path} is not a PEM certificate", hint="remove it and attest again"
+            ) from exc
         return cert, self.cert_path, self.key_path

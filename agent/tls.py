@@ -58,7 +58,8 @@ class _SpiffeSSLObject(ssl.SSLObject):
     def do_handshake(self) -> None:
         super().do_handshake()
         ctx = self.context
-        assert isinstance(ctx, SpiffeTLSContext)
+        if not isinstance(ctx, SpiffeTLSContext):
+            raise ssl.SSLCertVerificationError("SPIFFE verification needs a SpiffeTLSContext")
         ctx.verified_peer = check_peer(self.getpeercert(binary_form=True), ctx.expected_ids)
 
 
@@ -66,7 +67,8 @@ class _SpiffeSSLSocket(ssl.SSLSocket):
     def do_handshake(self, block: bool = False) -> None:
         super().do_handshake(block)
         ctx = self.context
-        assert isinstance(ctx, SpiffeTLSContext)
+        if not isinstance(ctx, SpiffeTLSContext):
+            raise ssl.SSLCertVerificationError("SPIFFE verification needs a SpiffeTLSContext")
         ctx.verified_peer = check_peer(self.getpeercert(binary_form=True), ctx.expected_ids)
 
 

@@ -35,12 +35,12 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 try:  # cryptography >= 47 keeps CFB under "decrepit"; TPM credential blobs require it.
     from cryptography.hazmat.decrepit.ciphers.modes import CFB
 except ImportError:  # pragma: no cover - older cryptography
-    from cryptography.hazmat.primitives.ciphers.modes import CFB  # type: ignore[assignment,no-redef]
+    from cryptography.hazmat.primitives.ciphers.modes import CFB
 
 from protocol.errors import CredentialError, TpmStructureError
 from protocol.tpm2 import HASH_SIZES, Alg, Reader, tpm2b
 
-_HASH_NAMES = {Alg.SHA1: "sha1", Alg.SHA256: "sha256", Alg.SHA384: "sha384", Alg.SHA512: "sha512"}
+_HASH_NAMES: dict[int, str] = {Alg.SHA1: "sha1", Alg.SHA256: "sha256", Alg.SHA384: "sha384", Alg.SHA512: "sha512"}
 _CRYPTO_HASHES: dict[int, type[hashes.HashAlgorithm]] = {
     Alg.SHA1: hashes.SHA1,
     Alg.SHA256: hashes.SHA256,
@@ -59,7 +59,7 @@ def _hash_name(alg: int) -> str:
         raise CredentialError(f"unsupported name algorithm 0x{alg:04x}") from None
 
 
-def kdfa(hash_alg: int, key: bytes, label: bytes, context_u: bytes, context_v: bytes, bits: int) -> bytes:
+def kdfa(hash_alg: int, key: bytes, label: bytes, context_u: bytes, context_v: bytes, bits: int) -> bytes:  # noqa: PLR0917
     """SP 800-108 counter-mode KDF with HMAC, as TPM2 KDFa."""
     name = _hash_name(hash_alg)
     out = b""
@@ -67,7 +67,9 @@ def kdfa(hash_alg: int, key: bytes, label: bytes, context_u: bytes, context_v: b
     need = (bits + 7) // 8
     while len(out) < need:
         counter += 1
-        block = struct.pack(">I", counter) + label + b"\x00" + context_u + context_v + struct.pack(">I", bits)
+        block = (
+            struct.pack(">I", counter) + label + b"\x00" + context_u + context_v + struct.pack(">I", bits)
+        )
         out += hmac.new(key, block, name).digest()
     out = out[:need]
     if bits % 8:
@@ -75,7 +77,7 @@ def kdfa(hash_alg: int, key: bytes, label: bytes, context_u: bytes, context_v: b
     return out
 
 
-def kdfe(hash_alg: int, z: bytes, label: bytes, party_u: bytes, party_v: bytes, bits: int) -> bytes:
+def kdfe(hash_alg: int, z: bytes, label: bytes, party_u: bytes, party_v: bytes, bits: int) -> bytes:  # noqa: PLR0917
     """SP 800-56A concatenation KDF, as TPM2 KDFe."""
     name = _hash_name(hash_alg)
     out = b""
@@ -83,7 +85,9 @@ def kdfe(hash_alg: int, z: bytes, label: bytes, party_u: bytes, party_v: bytes, 
     need = (bits + 7) // 8
     while len(out) < need:
         counter += 1
-        out += hashlib.new(name, struct.pack(">I", counter) + z + label + b"\x00" + party_u + party_v).digest()
+        out += hashlib.new(
+            name, struct.pack(">I", counter) + z + label + b"\x00" + party_u + party_v
+        ).digest()
     return out[:need]
 
 

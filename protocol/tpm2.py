@@ -256,7 +256,7 @@ def _read_symdef(r: Reader, what: str) -> SymDef:
 
 def _read_scheme(r: Reader, field: str, what: str) -> Scheme:
     alg = _alg(r.u16(field + ".scheme"), field, what)
-    if alg == Alg.NULL or alg == Alg.RSAES:
+    if alg in (Alg.NULL, Alg.RSAES):
         return Scheme(alg)
     if alg == Alg.ECDAA:
         return Scheme(alg, hash_alg=r.u16(field + ".hashAlg"), count=r.u16(field + ".count"))
@@ -632,5 +632,7 @@ def spki_der(pub: Public) -> bytes:
     from cryptography.hazmat.primitives import serialization
 
     key = public_key(pub)
-    der: bytes = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    der: bytes = key.public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return der

@@ -30,9 +30,7 @@ from protocol.credential import Credential
 from protocol.errors import PayloadError
 
 ATTESTOR_TYPE = "tpm"
-_PEM_RE = re.compile(
-    rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n(.*?)\r?\n?-----END ([A-Z0-9 ]+)-----", re.DOTALL
-)
+_PEM_RE = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n(.*?)\r?\n?-----END ([A-Z0-9 ]+)-----", re.DOTALL)
 
 EkPublicKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey
 
@@ -96,7 +94,15 @@ def _b64d(value: Any, field: str) -> bytes:
 def _pem(kind: str, der: bytes) -> bytes:
     body = base64.encodebytes(der).replace(b"\n", b"")
     lines = [body[i : i + 64] for i in range(0, len(body), 64)]
-    return b"-----BEGIN " + kind.encode() + b"-----\n" + b"\n".join(lines) + b"\n-----END " + kind.encode() + b"-----\n"
+    return (
+        b"-----BEGIN "
+        + kind.encode()
+        + b"-----\n"
+        + b"\n".join(lines)
+        + b"\n-----END "
+        + kind.encode()
+        + b"-----\n"
+    )
 
 
 def encode_ek(ek: EkData) -> bytes:
@@ -113,7 +119,9 @@ def decode_ek(pem: bytes) -> EkData:
     if not blocks:
         raise PayloadError("EK: no PEM block found")
     if len(blocks) > 2:
-        raise PayloadError(f"EK: {len(blocks)} PEM blocks; expected a PUBLIC KEY and at most one CERTIFICATE")
+        raise PayloadError(
+            f"EK: {len(blocks)} PEM blocks; expected a PUBLIC KEY and at most one CERTIFICATE"
+        )
     found: dict[str, bytes] = {}
     for match in blocks:
         kind, end_kind = match.group(1).decode(), match.group(3).decode()

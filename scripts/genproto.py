@@ -82,7 +82,9 @@ def _same_tree(a: Path, b: Path) -> list[str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--check", action="store_true", help="fail if regeneration would change protocol/_gen")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if regeneration would change protocol/_gen"
+    )
     args = parser.parse_args()
     if args.check:
         with tempfile.TemporaryDirectory() as tmp:

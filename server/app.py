@@ -45,7 +45,9 @@ def open_ek_trust(config: ServerConfig) -> EkTrustLike:
     mode = settings.mode or (
         "ca_or_hash" if settings.ca_dir and settings.hash_dir else "ca" if settings.ca_dir else "hash"
     )
-    trust: EkTrustLike = EkTrust.load(EkTrustConfig(ca_dir=settings.ca_dir, hash_dir=settings.hash_dir, mode=mode))
+    trust: EkTrustLike = EkTrust.load(
+        EkTrustConfig(ca_dir=settings.ca_dir, hash_dir=settings.hash_dir, mode=mode)
+    )
     return trust
 
 
@@ -85,7 +87,9 @@ class ServerApp:
         generation = svid.generation
 
         def config() -> Any:
-            return grpc.ssl_server_certificate_configuration([(svid.key_pem, svid.chain_pem)], root_certificates=client_ca)
+            return grpc.ssl_server_certificate_configuration(
+                [(svid.key_pem, svid.chain_pem)], root_certificates=client_ca
+            )
 
         def fetch() -> Any:
             nonlocal generation
@@ -95,7 +99,9 @@ class ServerApp:
                 return config()
             return None
 
-        return grpc.dynamic_ssl_server_credentials(config(), fetch, require_client_authentication=client_ca is not None)
+        return grpc.dynamic_ssl_server_credentials(
+            config(), fetch, require_client_authentication=client_ca is not None
+        )
 
     async def start(self) -> None:
         cfg = self.config
@@ -149,7 +155,8 @@ class ServerApp:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                assert self.store is not None
+                if self.store is None:
+                    return
                 count = await loop.run_in_executor(self._executor, self.store.count_agents)
                 self.metrics.agents_known.set(count)
             except Exception:

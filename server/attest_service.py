@@ -100,7 +100,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             return await asyncio.wait_for(it.__anext__(), self.challenge_timeout)
         except TimeoutError:
             raise ChallengeTimeoutError(
-                f"no {what} within {self.challenge_timeout:g} s", reason="challenge_timeout" if "response" in what else "params_timeout"
+                f"no {what} within {self.challenge_timeout:g} s",
+                reason="challenge_timeout" if "response" in what else "params_timeout",
             ) from None
         except StopAsyncIteration:
             # The client closed or reset its side without sending what the protocol needs next.
@@ -109,16 +110,25 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 reason="cancelled" if context.cancelled() else "stream_ended",
             ) from None
 
-    async def AttestAgent(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[agent_pb2.AttestAgentRequest], context: grpc.aio.ServicerContext[Any, Any]
-    ) -> None:
+    async def AttestAgent(
+        self,
+        request_iterator: AsyncIterator[agent_pb2.AttestAgentRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[agent_pb2.AttestAgentResponse]:
         attempt = _Attempt(peer=context.peer() or "")
         try:
-            await self._attest(request_iterator, context, attempt)
+            async for response in self._attest(request_iterator, context, attempt):
+                yield response
         except CancelledByClientError as err:
             self._finish(attempt, "cancelled", err.reason, err.grpc_code, err.message)
         except ServerError as err:
-            self._finish(attempt, "denied" if err.grpc_code == "PERMISSION_DENIED" else "error", err.reason, err.grpc_code, err.message)
+            self._finish(
+                attempt,
+                "denied" if err.grpc_code == "PERMISSION_DENIED" else "error",
+                err.reason,
+                err.grpc_code,
+                err.message,
+            )
             await context.abort(grpc_status(err), err.message)
         except asyncio.CancelledError:
             self._finish(attempt, "cancelled", "cancelled", "CANCELLED", "the client cancelled the stream")
@@ -135,19 +145,27 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         it: AsyncIterator[agent_pb2.AttestAgentRequest],
         context: grpc.aio.ServicerContext[Any, Any],
         attempt: _Attempt,
-    ) -> None:
+    ) -> AsyncIterator[agent_pb2.AttestAgentResponse]:
         first = await self._next(it, context, "attestation parameters")
         if first.WhichOneof("step") != "params":
-            raise InvalidRequestError("malformed param: the first message must carry params", reason="malformed_params")
+            raise InvalidRequestError(
+                "malformed param: the first message must carry params", reason="malformed_params"
+            )
         params = first.params
         if not params.HasField("data") or not params.HasField("params"):
-            raise InvalidRequestError("malformed param: missing attestation data or X509-SVID params", reason="malformed_params")
+            raise InvalidRequestError(
+                "malformed param: missing attestation data or X509-SVID params", reason="malformed_params"
+            )
         if not params.params.csr:
             raise InvalidRequestError("malformed param: missing CSR", reason="malformed_params")
         if not params.data.type:
-            raise InvalidRequestError("malformed param: missing attestation data type", reason="malformed_params")
+            raise InvalidRequestError(
+                "malformed param: missing attestation data type", reason="malformed_params"
+            )
         if not params.data.payload:
-            raise InvalidRequestError("malformed param: missing attestation data payload", reason="malformed_params")
+            raise InvalidRequestError(
+                "malformed param: missing attestation data payload", reason="malformed_params"
+            )
         attempt.attestor = params.data.type
         if len(params.data.payload) > self.max_payload_bytes:
             raise PayloadTooLargeError(
@@ -167,11 +185,12 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         csr_key = self.ca.verify_csr(params.params.csr)
         pending = attestor.begin(params.data.payload)
         attempt.ek_method = pending.ek_method
-        await context.write(agent_pb2.AttestAgentResponse(challenge=pending.challenge))
+        yield agent_pb2.AttestAgentResponse(challenge=pending.challenge)
         reply = await self._next(it, context, "challenge response")
         if reply.WhichOneof("step") != "challenge_response":
             raise InvalidRequestError(
-                "expected a challenge_response; got a second params message on the same stream", reason="unexpected_params"
+                "expected a challenge_response; got a second params message on the same stream",
+                reason="unexpected_params",
             )
         result = attestor.finish(pending, reply.challenge_response)
         await self._refuse_banned(attempt.agent_id)
@@ -200,13 +219,15 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             result=agent_pb2.AttestAgentResponse.Result(
                 svid=x509svid_pb2.X509SVID(
                     cert_chain=list(svid.chain_der),
-                    id=spiffeid_pb2.SPIFFEID(trust_domain=result.agent_id.trust_domain, path=result.agent_id.path),
+                    id=spiffeid_pb2.SPIFFEID(
+                        trust_domain=result.agent_id.trust_domain, path=result.agent_id.path
+                    ),
                     expires_at=svid.expires_at,
                 ),
                 reattestable=result.can_reattest,
             )
         )
-        await context.write(response)
+        yield response
         attempt.fields.update(svid_serial=str(svid.serial), svid_expires_at=svid.expires_at)
         self._finish(attempt, "ok", "attested", "OK", "attested")
 
@@ -241,9 +262,36 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         else:
             log.warning("attestation from %s refused (%s): %s", attempt.peer, reason, message)
 
-    async def RenewAgent(  # noqa: N802 - gRPC method name
+    async def RenewAgent(
         self, request: agent_pb2.RenewAgentRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> agent_pb2.RenewAgentResponse:
         # TPM-attested agents are reattestable: like SPIRE >= 1.10 they renew by attesting again.
         await context.abort(grpc.StatusCode.PERMISSION_DENIED, "agent must reattest to renew its SVID")
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _admin_only(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "agent administration is not served over gRPC; use `nodeserver agents list|ban|unban|delete` on the server",
+        )
+
+    async def CountAgents(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admin_only(context)
+
+    async def ListAgents(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admin_only(context)
+
+    async def GetAgent(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admin_only(context)
+
+    async def DeleteAgent(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admin_only(context)
+
+    async def BanAgent(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admin_only(context)
+
+    async def CreateJoinToken(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await self._admin_only(context)
+
+    async def PostStatus(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "PostStatus is not implemented by this server")

@@ -62,7 +62,9 @@ def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _load_key(path: Path) -> ec.EllipticCurvePrivateKey:
@@ -97,7 +99,9 @@ class CertificateAuthority:
 
     # -- creation and loading ---------------------------------------------
     @classmethod
-    def load_or_create(cls, data_dir: Path, trust_domain: str, *, ca_ttl: dt.timedelta) -> CertificateAuthority:
+    def load_or_create(
+        cls, data_dir: Path, trust_domain: str, *, ca_ttl: dt.timedelta
+    ) -> CertificateAuthority:
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(data_dir, 0o700)
         key_path, cert_path = data_dir / CA_KEY, data_dir / CA_CERT
@@ -105,7 +109,9 @@ class CertificateAuthority:
             key = _load_key(key_path)
             cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
             if cert.public_key().public_numbers() != key.public_key().public_numbers():  # type: ignore[union-attr]
-                raise ConfigError(f"{cert_path} does not match {key_path}; restore both from the same backup")
+                raise ConfigError(
+                    f"{cert_path} does not match {key_path}; restore both from the same backup"
+                )
             uris = _uri_sans(cert)
             if uris != [f"spiffe://{trust_domain}"]:
                 raise ConfigError(
@@ -113,15 +119,24 @@ class CertificateAuthority:
                     "use another data_dir for another trust domain"
                 )
             if cert.not_valid_after_utc <= _now():
-                raise ConfigError(f"the CA certificate {cert_path} expired on {cert.not_valid_after_utc:%Y-%m-%d}")
+                raise ConfigError(
+                    f"the CA certificate {cert_path} expired on {cert.not_valid_after_utc:%Y-%m-%d}"
+                )
             log.info("loaded CA for %s from %s", trust_domain, data_dir)
             return cls(trust_domain, key, cert)
         if key_path.exists() or cert_path.exists():
-            raise ConfigError(f"{data_dir} holds only one of {CA_KEY} and {CA_CERT}; restore both or remove both")
+            raise ConfigError(
+                f"{data_dir} holds only one of {CA_KEY} and {CA_CERT}; restore both or remove both"
+            )
         key = ec.generate_private_key(ec.SECP256R1())
         now = _now()
         ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
-        name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "nodetrust"), x509.NameAttribute(NameOID.COMMON_NAME, f"{trust_domain} CA")])
+        name = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "nodetrust"),
+                x509.NameAttribute(NameOID.COMMON_NAME, f"{trust_domain} CA"),
+            ]
+        )
         cert = (
             x509.CertificateBuilder()
             .subject_name(name)
@@ -146,7 +161,10 @@ class CertificateAuthority:
                 critical=True,
             )
             .add_extension(ski, critical=False)
-            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(f"spiffe://{trust_domain}")]), critical=False)
+            .add_extension(
+                x509.SubjectAlternativeName([x509.UniformResourceIdentifier(f"spiffe://{trust_domain}")]),
+                critical=False,
+            )
             .sign(key, hashes.SHA256())
         )
         write_private(key_path, _key_pem(key))
@@ -174,7 +192,14 @@ class CertificateAuthority:
         sans += [x509.DNSName(n) for n in dns_names]
         cert = (
             x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COUNTRY_NAME, "US"), x509.NameAttribute(NameOID.ORGANIZATION_NAME, "SPIRE")]))
+            .subject_name(
+                x509.Name(
+                    [
+                        x509.NameAttribute(NameOID.COUNTRY_NAME, "US"),
+                        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "SPIRE"),
+                    ]
+                )
+            )
             .issuer_name(self.cert.subject)
             .public_key(public_key)
             .serial_number(serial)
@@ -195,9 +220,14 @@ class CertificateAuthority:
                 ),
                 critical=True,
             )
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(
+                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                critical=False,
+            )
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(self._ski), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(self._ski), critical=False
+            )
             .add_extension(x509.SubjectAlternativeName(sans), critical=False)
             .sign(self._key, hashes.SHA256())
         )
@@ -214,7 +244,9 @@ class CertificateAuthority:
     def verify_csr(csr_der: bytes) -> ec.EllipticCurvePublicKey | rsa.RSAPublicKey:
         """Parse a DER CSR, verify its signature and return its public key (the only thing used)."""
         if len(csr_der) > _MAX_CSR_BYTES:
-            raise InvalidRequestError(f"CSR of {len(csr_der)} bytes exceeds {_MAX_CSR_BYTES}", reason="bad_csr")
+            raise InvalidRequestError(
+                f"CSR of {len(csr_der)} bytes exceeds {_MAX_CSR_BYTES}", reason="bad_csr"
+            )
         try:
             csr = x509.load_der_x509_csr(csr_der)
         except ValueError as exc:
@@ -228,11 +260,15 @@ class CertificateAuthority:
             raise InvalidRequestError("the CSR signature does not verify", reason="bad_csr_signature")
         if isinstance(key, ec.EllipticCurvePublicKey):
             if key.curve.name not in ("secp256r1", "secp384r1"):
-                raise InvalidRequestError(f"CSR key on curve {key.curve.name}; use P-256 or P-384", reason="bad_csr")
+                raise InvalidRequestError(
+                    f"CSR key on curve {key.curve.name}; use P-256 or P-384", reason="bad_csr"
+                )
             return key
         if isinstance(key, rsa.RSAPublicKey):
             if key.key_size < 2048:
-                raise InvalidRequestError(f"CSR RSA key of {key.key_size} bits; use at least 2048", reason="bad_csr")
+                raise InvalidRequestError(
+                    f"CSR RSA key of {key.key_size} bits; use at least 2048", reason="bad_csr"
+                )
             return key
         raise InvalidRequestError(f"CSR key type {type(key).__name__} is not supported", reason="bad_csr")
 
@@ -254,7 +290,9 @@ class CertificateAuthority:
 class ServerSvid:
     """The server's own TLS key and SVID, kept in the data directory and renewed at half-life."""
 
-    def __init__(self, ca: CertificateAuthority, data_dir: Path, ttl: dt.timedelta, dns_names: tuple[str, ...]) -> None:
+    def __init__(
+        self, ca: CertificateAuthority, data_dir: Path, ttl: dt.timedelta, dns_names: tuple[str, ...]
+    ) -> None:
         self._ca = ca
         self._dir = data_dir
         self._ttl = ttl
@@ -302,7 +340,9 @@ class ServerSvid:
             key = ec.generate_private_key(ec.SECP256R1())
             svid = self._ca.issue_server_svid(key, self._ttl, self._dns)
             write_private(self._dir / SERVER_KEY, _key_pem(key))
-            write_private(self._dir / SERVER_CERT, svid.cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
+            write_private(
+                self._dir / SERVER_CERT, svid.cert.public_bytes(serialization.Encoding.PEM), mode=0o644
+            )
             self._set(key, svid.cert)
             log.info("issued the server SVID %s, valid until %s", svid.spiffe_id, self.not_after.isoformat())
 

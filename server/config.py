@@ -130,12 +130,16 @@ def config_from_mapping(doc: Any, *, base_dir: Path | None = None) -> ServerConf
         return p
 
     if "data_dir" not in doc:
-        raise ConfigError("data_dir is required: where the CA keys, the server SVID and the default store live")
+        raise ConfigError(
+            "data_dir is required: where the CA keys, the server SVID and the default store live"
+        )
     kwargs: dict[str, Any] = {"trust_domain": trust_domain, "data_dir": path("data_dir", doc["data_dir"])}
     if "listen" in doc:
         kwargs["listen"] = parse_address(doc["listen"], "listen")
     if "join_listen" in doc:
-        kwargs["join_listen"] = None if doc["join_listen"] is None else parse_address(doc["join_listen"], "join_listen")
+        kwargs["join_listen"] = (
+            None if doc["join_listen"] is None else parse_address(doc["join_listen"], "join_listen")
+        )
     if "metrics_listen" in doc:
         v = doc["metrics_listen"]
         kwargs["metrics_listen"] = None if v in (None, "", "off") else parse_address(v, "metrics_listen")

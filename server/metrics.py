@@ -42,11 +42,18 @@ class Metrics:
                 registry=reg,
             ),
             agents_known=Gauge("nodeserver_agents_known", "Agents in the store.", registry=reg),
-            joins=Counter("nodeserver_joins", "Join requests by result and reason.", ["result", "reason"], registry=reg),
-            join_seconds=Histogram(
-                "nodeserver_join_duration_seconds", "Join request latency.", buckets=_LATENCY_BUCKETS, registry=reg
+            joins=Counter(
+                "nodeserver_joins", "Join requests by result and reason.", ["result", "reason"], registry=reg
             ),
-            tokens_live=Gauge("nodeserver_bootstrap_tokens_live", "Unexpired bootstrap tokens issued.", registry=reg),
+            join_seconds=Histogram(
+                "nodeserver_join_duration_seconds",
+                "Join request latency.",
+                buckets=_LATENCY_BUCKETS,
+                registry=reg,
+            ),
+            tokens_live=Gauge(
+                "nodeserver_bootstrap_tokens_live", "Unexpired bootstrap tokens issued.", registry=reg
+            ),
         )
 
     def serve(self, host: str, port: int) -> Any:

@@ -61,7 +61,9 @@ class EkInfo:
 class TpmAttestor:
     """One attestation against one TPM; see the module docstring."""
 
-    def __init__(self, tcti: str = DEFAULT_TCTI, *, ek_alg: str = "rsa", require_ek_cert: bool = False) -> None:
+    def __init__(
+        self, tcti: str = DEFAULT_TCTI, *, ek_alg: str = "rsa", require_ek_cert: bool = False
+    ) -> None:
         if ek_alg not in EK_TEMPLATE_NAME:
             raise TpmError(f"unknown EK algorithm {ek_alg!r}", hint="use 'rsa' or 'ecc'")
         self.tcti = tcti
@@ -209,7 +211,11 @@ class TpmAttestor:
         )
         self._transient.append(transient)
         persistent = self._call(
-            f"persisting the SRK at 0x{SRK_HANDLE:08x}", ctx.evict_control, ESYS_TR.OWNER, transient, SRK_HANDLE
+            f"persisting the SRK at 0x{SRK_HANDLE:08x}",
+            ctx.evict_control,
+            ESYS_TR.OWNER,
+            transient,
+            SRK_HANDLE,
         )
         self._closeable.append(persistent)
         self._flush(transient)
@@ -295,7 +301,7 @@ class TpmAttestor:
 def _unmarshal_exact(cls: Any, data: bytes, what: str) -> Any:
     try:
         obj, used = cls.unmarshal(data)
-    except Exception as exc:  # noqa: BLE001 - tpm2-pytss raises several types for bad input
+    except Exception as exc:
         raise TpmError(f"the server's {what} is malformed: {exc}", hint="check the server version") from exc
     if used != len(data):
         raise TpmError(f"the server's {what} has {len(data) - used} trailing bytes", hint="check the server")
@@ -306,7 +312,9 @@ def _srk_template() -> Any:
     from tpm2_pytss.constants import TPM2_ALG, TPMA_OBJECT
     from tpm2_pytss.types import TPM2B_PUBLIC, TPMT_PUBLIC
 
-    tmpl = TPMT_PUBLIC(type=TPM2_ALG.RSA, nameAlg=TPM2_ALG.SHA256, objectAttributes=TPMA_OBJECT(SRK_ATTRIBUTES))
+    tmpl = TPMT_PUBLIC(
+        type=TPM2_ALG.RSA, nameAlg=TPM2_ALG.SHA256, objectAttributes=TPMA_OBJECT(SRK_ATTRIBUTES)
+    )
     tmpl.parameters.rsaDetail.symmetric.algorithm = TPM2_ALG.AES
     tmpl.parameters.rsaDetail.symmetric.keyBits.aes = 128
     tmpl.parameters.rsaDetail.symmetric.mode.aes = TPM2_ALG.CFB
@@ -321,7 +329,9 @@ def _ak_template() -> Any:
     from tpm2_pytss.constants import TPM2_ALG, TPMA_OBJECT
     from tpm2_pytss.types import TPM2B_PUBLIC, TPMT_PUBLIC
 
-    tmpl = TPMT_PUBLIC(type=TPM2_ALG.RSA, nameAlg=TPM2_ALG.SHA256, objectAttributes=TPMA_OBJECT(AK_ATTRIBUTES))
+    tmpl = TPMT_PUBLIC(
+        type=TPM2_ALG.RSA, nameAlg=TPM2_ALG.SHA256, objectAttributes=TPMA_OBJECT(AK_ATTRIBUTES)
+    )
     tmpl.parameters.rsaDetail.symmetric.algorithm = TPM2_ALG.NULL
     tmpl.parameters.rsaDetail.scheme.scheme = TPM2_ALG.RSASSA
     tmpl.parameters.rsaDetail.scheme.details.anySig.hashAlg = TPM2_ALG.SHA256

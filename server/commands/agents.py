@@ -13,7 +13,9 @@ from server.errors import NotFoundError
 
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
-        "agents", help="list, ban, unban or delete agents", description="Manage attested agents in the store."
+        "agents",
+        help="list, ban, unban or delete agents",
+        description="Manage attested agents in the store.",
     )
     asub = p.add_subparsers(dest="agents_command", metavar="ACTION", required=True)
     lp = asub.add_parser("list", help="list agents")
@@ -27,7 +29,9 @@ def register(sub: Any) -> None:
     ):
         ap = asub.add_parser(name, help=helptext)
         add_config_option(ap)
-        ap.add_argument("spiffe_id", metavar="SPIFFE_ID", help="e.g. spiffe://example.org/spire/agent/tpm/<hash>")
+        ap.add_argument(
+            "spiffe_id", metavar="SPIFFE_ID", help="e.g. spiffe://example.org/spire/agent/tpm/<hash>"
+        )
         ap.set_defaults(func=run_action, action=name)
 
 
@@ -52,7 +56,9 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'SPIFFE ID':<90} {'BANNED':<6} {'FIRST ATTESTED':<20} {'LAST ATTESTED':<20} SVID EXPIRES")
     for a in agents:
-        print(f"{a.spiffe_id:<90} {'yes' if a.banned else 'no':<6} {_ts(a.first_attested_at):<20} {_ts(a.last_attested_at):<20} {_ts(a.svid_expires_at)}")
+        banned = "yes" if a.banned else "no"
+        first, last = _ts(a.first_attested_at), _ts(a.last_attested_at)
+        print(f"{a.spiffe_id:<90} {banned:<6} {first:<20} {last:<20} {_ts(a.svid_expires_at)}")
     return 0
 
 
@@ -68,7 +74,9 @@ def run_action(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"{args.spiffe_id!r} is not a SPIFFE ID: {exc}") from exc
     store = open_store_for(config_from(args))
     try:
-        changed = {"ban": store.ban_agent, "unban": store.unban_agent, "delete": store.delete_agent}[args.action](args.spiffe_id)
+        changed = {"ban": store.ban_agent, "unban": store.unban_agent, "delete": store.delete_agent}[
+            args.action
+        ](args.spiffe_id)
     finally:
         store.close()
     if not changed and args.action != "ban":

@@ -16,7 +16,9 @@ from tests.support.swtpm import LocalCa, Swtpm, manufacture, missing_tools
 def local_ca(tmp_path_factory: pytest.TempPathFactory) -> LocalCa:
     missing = missing_tools()
     if missing:
-        pytest.fail(f"swtpm tools missing: {', '.join(missing)}; install the Debian packages swtpm and swtpm-tools")
+        pytest.fail(
+            f"swtpm tools missing: {', '.join(missing)}; install the Debian packages swtpm and swtpm-tools"
+        )
     ca = LocalCa(tmp_path_factory.mktemp("swtpm-localca"))
     manufacture(tmp_path_factory.mktemp("warm-up-tpm"), ca)  # swtpm-localca creates its CA on first use
     assert ca.root_cert.exists() and ca.issuer_cert.exists()

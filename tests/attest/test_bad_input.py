@@ -42,7 +42,12 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     ca = SimCa.create()
     (base / "ca").mkdir()
     (base / "ca" / "sim-ca.pem").write_bytes(ca.pem())
-    cfg = server_config(base / "server", ek_trust={"ca_dir": str(base / "ca")}, challenge_timeout="1s", max_payload_bytes=8192)
+    cfg = server_config(
+        base / "server",
+        ek_trust={"ca_dir": str(base / "ca")},
+        challenge_timeout="1s",
+        max_payload_bytes=8192,
+    )
     srv = ServerThread(cfg).start()
     yield Env(srv, ca, SimulatedTpm.create(ca))
     srv.stop()
@@ -56,7 +61,9 @@ async def _honest(stream: Any, sim: SimulatedTpm, payload: bytes, csr: bytes, at
     await stream.send_message(params(payload, csr, attestor))
     challenge = await stream.recv_message()
     secret = sim.activate(decode_challenge(challenge.challenge))
-    await stream.send_message(agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(secret)), end=True)
+    await stream.send_message(
+        agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(secret)), end=True
+    )
     return await stream.recv_message()
 
 
@@ -102,7 +109,9 @@ def case_ek_cert_key_mismatch(env: Env) -> Callable[[Any], Any]:
     # A genuine certificate from a trusted CA, sent with another EK public key.
     liar = SimulatedTpm.create(None)
     assert env.good.ek_cert_der is not None
-    data = AttestationData(ek=EkData(public_key_der=liar.ek_spki, certificate_der=env.good.ek_cert_der), ak=liar.ak_parameters())
+    data = AttestationData(
+        ek=EkData(public_key_der=liar.ek_spki, certificate_der=env.good.ek_cert_der), ak=liar.ak_parameters()
+    )
     return lambda s: _honest(s, liar, _payload(data), _csr())
 
 
@@ -123,7 +132,9 @@ def case_ak_name_mismatch(env: Env) -> Callable[[Any], Any]:
 
 def case_bad_create_signature(env: Env) -> Callable[[Any], Any]:
     sim = SimulatedTpm.create(env.ca)
-    data = AttestationData(ek=sim.attestation_data().ek, ak=sim.ak_parameters(sign_with=rsa.generate_private_key(65537, 2048)))
+    data = AttestationData(
+        ek=sim.attestation_data().ek, ak=sim.ak_parameters(sign_with=rsa.generate_private_key(65537, 2048))
+    )
     return lambda s: _honest(s, sim, _payload(data), _csr())
 
 
@@ -135,7 +146,10 @@ def case_wrong_secret(env: Env) -> Callable[[Any], Any]:
     async def script(stream: Any) -> Any:
         await stream.send_message(params(_payload(env.good.attestation_data()), _csr()))
         await stream.recv_message()
-        await stream.send_message(agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(b"\x00" * 32)), end=True)
+        await stream.send_message(
+            agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(b"\x00" * 32)),
+            end=True,
+        )
         return await stream.recv_message()
 
     return script
@@ -194,10 +208,20 @@ CASES: list[tuple[str, Callable[[Env], Callable[[Any], Any]], str, str]] = [
     ("bad base64", case_bad_base64, "INVALID_ARGUMENT", "payload_malformed"),
     ("missing PUBLIC KEY block", case_missing_public_key_block, "INVALID_ARGUMENT", "payload_malformed"),
     ("EK not trusted", case_ek_not_trusted, "PERMISSION_DENIED", "ek_"),
-    ("EK certificate and public key mismatch", case_ek_cert_key_mismatch, "PERMISSION_DENIED", "ek_cert_key_mismatch"),
+    (
+        "EK certificate and public key mismatch",
+        case_ek_cert_key_mismatch,
+        "PERMISSION_DENIED",
+        "ek_cert_key_mismatch",
+    ),
     ("AK without fixedTPM", _without(tpm2.ObjectAttr.FIXED_TPM), "PERMISSION_DENIED", "ak_attributes"),
     ("AK without restricted", _without(tpm2.ObjectAttr.RESTRICTED), "PERMISSION_DENIED", "ak_attributes"),
-    ("AK without sensitiveDataOrigin", _without(tpm2.ObjectAttr.SENSITIVE_DATA_ORIGIN), "PERMISSION_DENIED", "ak_attributes"),
+    (
+        "AK without sensitiveDataOrigin",
+        _without(tpm2.ObjectAttr.SENSITIVE_DATA_ORIGIN),
+        "PERMISSION_DENIED",
+        "ak_attributes",
+    ),
     ("AK name mismatch", case_ak_name_mismatch, "PERMISSION_DENIED", "ak_name_mismatch"),
     ("bad CreateSignature", case_bad_create_signature, "PERMISSION_DENIED", "ak_bad_signature"),
     ("unknown attestor type", case_unknown_attestor, "FAILED_PRECONDITION", "unknown_attestor"),
@@ -213,7 +237,9 @@ CASES: list[tuple[str, Callable[[Env], Callable[[Any], Any]], str, str]] = [
 
 
 @pytest.mark.parametrize(("name", "make", "status", "reason"), CASES, ids=[c[0] for c in CASES])
-def test_bad_input(env: Env, name: str, make: Callable[[Env], Callable[[Any], Any]], status: str, reason: str) -> None:
+def test_bad_input(
+    env: Env, name: str, make: Callable[[Env], Callable[[Any], Any]], status: str, reason: str
+) -> None:
     store = env.srv.app.store
     assert store is not None
     script = make(env)  # may set up state (the ban) before the snapshot

@@ -24,7 +24,7 @@ from protocol.tpm_payload import (
     encode_ek,
     pub_hash,
 )
-from tests.support.simtpm import SimulatedTpm, SimCa
+from tests.support.simtpm import SimCa, SimulatedTpm
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,13 @@ def test_payload_is_go_style_json(sim: SimulatedTpm) -> None:
     # Go's encoding/json: field order of the structs, no spaces, padded standard base64.
     assert raw.startswith(b'{"EK":"')
     keys = list(json.loads(raw)["AK"].keys())
-    assert keys == ["Public", "UseTCSDActivationFormat", "CreateData", "CreateAttestation", "CreateSignature"]
+    assert keys == [
+        "Public",
+        "UseTCSDActivationFormat",
+        "CreateData",
+        "CreateAttestation",
+        "CreateSignature",
+    ]
     assert b" " not in raw
     doc = json.loads(raw)
     assert doc["AK"]["UseTCSDActivationFormat"] is False
@@ -95,7 +101,12 @@ BAD_PAYLOADS: list[tuple[str, object, str]] = [
     ("EK without PEM", {"EK": base64.b64encode(b"hello").decode(), "AK": {}}, "no PEM block"),
     (
         "EK with a private key block",
-        {"EK": base64.b64encode(b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n").decode(), "AK": {}},
+        {
+            "EK": base64.b64encode(
+                b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"
+            ).decode(),
+            "AK": {},
+        },
         "unexpected PEM block type",
     ),
 ]
@@ -111,7 +122,9 @@ def test_bad_payloads(case: str, doc: object, message: str) -> None:
 def test_missing_public_key_block(sim: SimulatedTpm) -> None:
     doc = _payload(sim)
     assert sim.ek_cert_der is not None
-    only_cert = encode_ek(EkData(public_key_der=sim.ek_spki, certificate_der=sim.ek_cert_der)).split(b"-----BEGIN PUBLIC KEY")[0]
+    only_cert = encode_ek(EkData(public_key_der=sim.ek_spki, certificate_der=sim.ek_cert_der)).split(
+        b"-----BEGIN PUBLIC KEY"
+    )[0]
     doc["EK"] = base64.b64encode(only_cert).decode()
     with pytest.raises(PayloadError, match="PUBLIC KEY block is missing"):
         decode_attestation_data(json.dumps(doc).encode())
@@ -132,13 +145,16 @@ def test_tcsd_format_refused(sim: SimulatedTpm) -> None:
     ak = doc["AK"]
     assert isinstance(ak, dict)
     ak["UseTCSDActivationFormat"] = True
-    with pytest.raises(PayloadError, match="TPM 1.2"):
+    with pytest.raises(PayloadError, match=r"TPM 1\.2"):
         decode_attestation_data(json.dumps(doc).encode())
 
 
 def test_attestation_parameters_are_plain_bytes() -> None:
     data = AttestationData(
-        ek=EkData(public_key_der=b"x"), ak=AttestationParameters(public=b"p", create_data=b"d", create_attestation=b"a", create_signature=b"s")
+        ek=EkData(public_key_der=b"x"),
+        ak=AttestationParameters(
+            public=b"p", create_data=b"d", create_attestation=b"a", create_signature=b"s"
+        ),
     )
     with pytest.raises(PayloadError):  # the EK key is not a SubjectPublicKeyInfo
         decode_attestation_data(encode_attestation_data(data))

@@ -32,7 +32,9 @@ def test_wrong_name_or_key_fails() -> None:
         activate_credential(key, b"\x00\x0b" + bytes(32), cred)
     with pytest.raises(CredentialError):
         activate_credential(other, NAME, cred)
-    tampered = Credential(cred.credential_blob[:-1] + bytes([cred.credential_blob[-1] ^ 1]), cred.encrypted_secret)
+    tampered = Credential(
+        cred.credential_blob[:-1] + bytes([cred.credential_blob[-1] ^ 1]), cred.encrypted_secret
+    )
     with pytest.raises(CredentialError, match="integrity"):
         activate_credential(key, NAME, tampered)
 
@@ -48,6 +50,10 @@ def test_kdfa_matches_sp800_108_definition() -> None:
     import hmac
 
     key, label, u, v = b"k" * 32, b"STORAGE", b"ctx-u", b"ctx-v"
-    block1 = hmac.new(key, b"\x00\x00\x00\x01" + label + b"\x00" + u + v + (384).to_bytes(4, "big"), hashlib.sha256).digest()
-    block2 = hmac.new(key, b"\x00\x00\x00\x02" + label + b"\x00" + u + v + (384).to_bytes(4, "big"), hashlib.sha256).digest()
+    block1 = hmac.new(
+        key, b"\x00\x00\x00\x01" + label + b"\x00" + u + v + (384).to_bytes(4, "big"), hashlib.sha256
+    ).digest()
+    block2 = hmac.new(
+        key, b"\x00\x00\x00\x02" + label + b"\x00" + u + v + (384).to_bytes(4, "big"), hashlib.sha256
+    ).digest()
     assert kdfa(0x000B, key, label, u, v, 384) == (block1 + block2)[:48]

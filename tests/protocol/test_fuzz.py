@@ -6,6 +6,7 @@ raises the count for longer local runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -14,7 +15,12 @@ from hypothesis import strategies as st
 
 from protocol import der, tpm2
 from protocol.errors import ProtocolError
-from protocol.tpm_payload import decode_attestation_data, decode_challenge, decode_challenge_response, decode_ek
+from protocol.tpm_payload import (
+    decode_attestation_data,
+    decode_challenge,
+    decode_challenge_response,
+    decode_ek,
+)
 from tests.support.simtpm import SimulatedTpm
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "400"))
@@ -22,7 +28,13 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[Hea
 _SIM = SimulatedTpm.create(None)
 _AK = _SIM.ak_parameters()
 SEEDS = [_AK.public, _AK.create_data, _AK.create_attestation, _AK.create_signature]
-PARSERS = [tpm2.parse_public, tpm2.parse_creation_data, tpm2.parse_attest, tpm2.parse_signature, der.certificate_spki]
+PARSERS = [
+    tpm2.parse_public,
+    tpm2.parse_creation_data,
+    tpm2.parse_attest,
+    tpm2.parse_signature,
+    der.certificate_spki,
+]
 DECODERS = [decode_attestation_data, decode_challenge, decode_challenge_response, decode_ek]
 
 
@@ -35,22 +47,49 @@ def _mutations() -> st.SearchStrategy[bytes]:
                 data[pos % len(data)] = val
         return bytes(data[: cut % (len(data) + 2)])
 
-    return st.tuples(st.sampled_from(SEEDS), st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 255)), max_size=6), st.integers(0, 4096)).map(mutate)
+    return st.tuples(
+        st.sampled_from(SEEDS),
+        st.lists(st.tuples(st.integers(0, 4096), st.integers(0, 255)), max_size=6),
+        st.integers(0, 4096),
+    ).map(mutate)
 
 
 @FUZZ
 @given(st.one_of(st.binary(max_size=600), _mutations()))
 def test_tpm_parsers_raise_only_protocol_errors(data: bytes) -> None:
     for parser in PARSERS:
-        try:
+        with contextlib.suppress(ProtocolError):
             parser(data)
-        except ProtocolError:
-            pass
 
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=20) | st.binary(max_size=40).map(lambda b: __import__("base64").b64encode(b).decode()),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.sampled_from(["EK", "AK", "EC", "Public", "CreateData", "CreateAttestation", "CreateSignature", "Secret", "Credential", "UseTCSDActivationFormat", "x"]), children, max_size=6),
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.text(max_size=20)
+    | st.binary(max_size=40).map(lambda b: __import__("base64").b64encode(b).decode()),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "EK",
+                    "AK",
+                    "EC",
+                    "Public",
+                    "CreateData",
+                    "CreateAttestation",
+                    "CreateSignature",
+                    "Secret",
+                    "Credential",
+                    "UseTCSDActivationFormat",
+                    "x",
+                ]
+            ),
+            children,
+            max_size=6,
+        )
+    ),
     max_leaves=20,
 )
 
@@ -59,7 +98,5 @@ json_values = st.recursive(
 @given(st.one_of(st.binary(max_size=400), json_values.map(lambda v: json.dumps(v).encode())))
 def test_decoders_raise_only_protocol_errors(data: bytes) -> None:
     for decode in DECODERS:
-        try:
+        with contextlib.suppress(ProtocolError):
             decode(data)
-        except ProtocolError:
-            pass

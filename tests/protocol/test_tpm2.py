@@ -34,11 +34,15 @@ def test_spki_of_public_matches_key(sim: SimulatedTpm) -> None:
     from cryptography.hazmat.primitives import serialization
 
     spki = tpm2.spki_der(tpm2.parse_public(sim.ak_public()))
-    assert spki == sim.ak.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    assert spki == sim.ak.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
 
 
 @pytest.mark.parametrize(
-    "parser", [tpm2.parse_public, tpm2.parse_attest, tpm2.parse_creation_data, tpm2.parse_signature], ids=lambda p: p.__name__
+    "parser",
+    [tpm2.parse_public, tpm2.parse_attest, tpm2.parse_creation_data, tpm2.parse_signature],
+    ids=lambda p: p.__name__,
 )
 def test_truncated_and_trailing(sim: SimulatedTpm, parser: object) -> None:
     ak = sim.ak_parameters()
@@ -70,7 +74,9 @@ def test_ecc_public_round_trip() -> None:
     key = ec.generate_private_key(ec.SECP256R1()).public_key()
     nums = key.public_numbers()
     raw = tpm2.encode_ecc_public(
-        x=nums.x.to_bytes(32, "big"), y=nums.y.to_bytes(32, "big"), attributes=0x00050472,
+        x=nums.x.to_bytes(32, "big"),
+        y=nums.y.to_bytes(32, "big"),
+        attributes=0x00050472,
         scheme=tpm2.Scheme(tpm2.Alg.ECDSA, tpm2.Alg.SHA256),
     )
     pub = tpm2.parse_public(raw)

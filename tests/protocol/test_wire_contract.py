@@ -60,7 +60,11 @@ def _message(full_name: str):  # type: ignore[no-untyped-def]
     raise KeyError(full_name)
 
 
-@pytest.mark.parametrize(("key", "expected"), sorted(EXPECTED.items()), ids=lambda v: ".".join(v) if isinstance(v, tuple) and isinstance(v[0], str) else "")
+@pytest.mark.parametrize(
+    ("key", "expected"),
+    sorted(EXPECTED.items()),
+    ids=lambda v: ".".join(v) if isinstance(v, tuple) and isinstance(v[0], str) else "",
+)
 def test_field_numbers_and_types(key: tuple[str, str], expected: tuple[int, int]) -> None:
     msg = _message(key[0])
     field = msg.fields_by_name[key[1]]
@@ -68,10 +72,15 @@ def test_field_numbers_and_types(key: tuple[str, str], expected: tuple[int, int]
 
 
 def test_step_oneofs() -> None:
-    for name in ("spire.api.server.agent.v1.AttestAgentRequest", "spire.api.server.agent.v1.AttestAgentResponse"):
+    for name in (
+        "spire.api.server.agent.v1.AttestAgentRequest",
+        "spire.api.server.agent.v1.AttestAgentResponse",
+    ):
         msg = _message(name)
         assert [o.name for o in msg.oneofs] == ["step"]
-        assert sorted(f.name for f in msg.oneofs_by_name["step"].fields) == sorted(f.name for f in msg.fields)
+        assert sorted(f.name for f in msg.oneofs_by_name["step"].fields) == sorted(
+            f.name for f in msg.fields
+        )
 
 
 def test_service_and_method() -> None:
@@ -84,5 +93,10 @@ def test_service_and_method() -> None:
 
 
 def test_generated_stubs_are_current() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "genproto.py"), "--check"], capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "genproto.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr

@@ -31,7 +31,9 @@ def params(payload: bytes, csr: bytes, attestor: str = "tpm") -> agent_pb2.Attes
     )
 
 
-async def _run(address: str, bundle: bytes, trust_domain: str, script: Callable[[Any], Awaitable[T]], timeout: float) -> T:
+async def _run(
+    address: str, bundle: bytes, trust_domain: str, script: Callable[[Any], Awaitable[T]], timeout: float
+) -> T:
     from grpclib.client import Channel
     from grpclib.const import Cardinality
     from grpclib.exceptions import GRPCError
@@ -40,7 +42,11 @@ async def _run(address: str, bundle: bytes, trust_domain: str, script: Callable[
     channel = Channel(host, int(port), ssl=SpiffeTLSContext(bundle, [server_id(trust_domain)]))
     try:
         async with channel.request(
-            ATTEST, Cardinality.STREAM_STREAM, agent_pb2.AttestAgentRequest, agent_pb2.AttestAgentResponse, timeout=timeout
+            ATTEST,
+            Cardinality.STREAM_STREAM,
+            agent_pb2.AttestAgentRequest,
+            agent_pb2.AttestAgentResponse,
+            timeout=timeout,
         ) as stream:
             return await script(stream)
     except GRPCError as exc:
@@ -50,6 +56,11 @@ async def _run(address: str, bundle: bytes, trust_domain: str, script: Callable[
 
 
 def run_stream(
-    address: str, bundle: bytes, script: Callable[[Any], Awaitable[T]], *, trust_domain: str = "example.org", timeout: float = 60
+    address: str,
+    bundle: bytes,
+    script: Callable[[Any], Awaitable[T]],
+    *,
+    trust_domain: str = "example.org",
+    timeout: float = 60,
 ) -> T:
     return asyncio.run(_run(address, bundle, trust_domain, script, timeout))

@@ -62,7 +62,11 @@ class ServerThread:
         import json
 
         path = self.config.audit_path
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return (
+            [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if path.exists()
+            else []
+        )
 
     def __enter__(self) -> ServerThread:
         return self.start()

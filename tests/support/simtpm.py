@@ -121,16 +121,28 @@ class SimulatedTpm:
     ak_attrs: int = AK_ATTRS
 
     @classmethod
-    def create(cls, ca: SimCa | None, *, ek_alg: str = "rsa", ek_key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey | None = None,
-               ak_key: rsa.RSAPrivateKey | None = None) -> SimulatedTpm:
-        ek = ek_key or (rsa.generate_private_key(65537, 2048) if ek_alg == "rsa" else ec.generate_private_key(ec.SECP256R1()))
+    def create(
+        cls,
+        ca: SimCa | None,
+        *,
+        ek_alg: str = "rsa",
+        ek_key: rsa.RSAPrivateKey | ec.EllipticCurvePrivateKey | None = None,
+        ak_key: rsa.RSAPrivateKey | None = None,
+    ) -> SimulatedTpm:
+        ek = ek_key or (
+            rsa.generate_private_key(65537, 2048)
+            if ek_alg == "rsa"
+            else ec.generate_private_key(ec.SECP256R1())
+        )
         cert = ca.issue_ek_cert(ek.public_key()) if ca is not None else None
         ak = ak_key or rsa.generate_private_key(65537, 2048)
         return cls(ek, cert, ak)
 
     @property
     def ek_spki(self) -> bytes:
-        return self.ek.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        return self.ek.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
 
     @property
     def ek_hash(self) -> str:
@@ -138,13 +150,18 @@ class SimulatedTpm:
 
     def ak_public(self) -> bytes:
         return _rsa_public_area(
-            self.ak.public_key(), self.ak_attrs, tpm2.Scheme(tpm2.Alg.RSASSA, tpm2.Alg.SHA256), tpm2.SymDef(tpm2.Alg.NULL)
+            self.ak.public_key(),
+            self.ak_attrs,
+            tpm2.Scheme(tpm2.Alg.RSASSA, tpm2.Alg.SHA256),
+            tpm2.SymDef(tpm2.Alg.NULL),
         )
 
     def ak_name(self) -> bytes:
         return tpm2.parse_public(self.ak_public()).name()
 
-    def ak_parameters(self, *, sign_with: rsa.RSAPrivateKey | None = None, name: bytes | None = None) -> AttestationParameters:
+    def ak_parameters(
+        self, *, sign_with: rsa.RSAPrivateKey | None = None, name: bytes | None = None
+    ) -> AttestationParameters:
         public = self.ak_public()
         parent = b"\x00\x0b" + hashlib.sha256(b"simulated SRK").digest()
         create_data = tpm2.encode_creation_data(parent_name=parent, parent_qualified_name=parent)
@@ -164,7 +181,9 @@ class SimulatedTpm:
         )
 
     def attestation_data(self) -> AttestationData:
-        return AttestationData(ek=EkData(public_key_der=self.ek_spki, certificate_der=self.ek_cert_der), ak=self.ak_parameters())
+        return AttestationData(
+            ek=EkData(public_key_der=self.ek_spki, certificate_der=self.ek_cert_der), ak=self.ak_parameters()
+        )
 
     def activate(self, credential: Credential) -> bytes:
         return activate_credential(self.ek, self.ak_name(), credential)

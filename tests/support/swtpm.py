@@ -29,7 +29,9 @@ def missing_tools() -> list[str]:
 def require_tools() -> None:
     missing = missing_tools()
     if missing:
-        raise RuntimeError(f"swtpm tools missing: {', '.join(missing)}; install the Debian packages swtpm and swtpm-tools")
+        raise RuntimeError(
+            f"swtpm tools missing: {', '.join(missing)}; install the Debian packages swtpm and swtpm-tools"
+        )
 
 
 @dataclass
@@ -79,8 +81,17 @@ def manufacture(state_dir: Path, ca: LocalCa | None) -> None:
     """Create a TPM state with an RSA-2048 EK (and its certificate when ``ca`` is given)."""
     require_tools()
     state_dir.mkdir(parents=True, exist_ok=True)
-    argv = ["swtpm_setup", "--tpm2", "--tpmstate", str(state_dir), "--createek", "--decryption", "--overwrite",
-            "--pcr-banks", "sha256"]
+    argv = [
+        "swtpm_setup",
+        "--tpm2",
+        "--tpmstate",
+        str(state_dir),
+        "--createek",
+        "--decryption",
+        "--overwrite",
+        "--pcr-banks",
+        "sha256",
+    ]
     if ca is not None:
         argv += ["--create-ek-cert", "--lock-nvram", "--config", str(ca.setup_config)]
     else:
@@ -126,11 +137,24 @@ class Swtpm:
             if not _port_pair_free(port):
                 continue
             proc = subprocess.Popen(
-                ["swtpm", "socket", "--tpm2", "--tpmstate", f"dir={self.state_dir}",
-                 "--server", f"type=tcp,port={port},bindaddr=127.0.0.1",
-                 "--ctrl", f"type=tcp,port={port + 1},bindaddr=127.0.0.1",
-                 "--flags", "not-need-init,startup-clear", "--log", f"file={log},level=1"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    "swtpm",
+                    "socket",
+                    "--tpm2",
+                    "--tpmstate",
+                    f"dir={self.state_dir}",
+                    "--server",
+                    f"type=tcp,port={port},bindaddr=127.0.0.1",
+                    "--ctrl",
+                    f"type=tcp,port={port + 1},bindaddr=127.0.0.1",
+                    "--flags",
+                    "not-need-init,startup-clear",
+                    "--log",
+                    f"file={log},level=1",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and proc.poll() is None:
@@ -188,7 +212,9 @@ def provision_ecc_ek_cert(tcti: str, issue: Callable[[bytes], bytes]) -> bytes:
         cert = issue(spki)
         attrs = TPMA_NV.OWNERWRITE | TPMA_NV.OWNERREAD | TPMA_NV.AUTHREAD | TPMA_NV.AUTHWRITE | TPMA_NV.NO_DA
         nv_public = TPM2B_NV_PUBLIC(
-            nvPublic=TPMS_NV_PUBLIC(nvIndex=ECC_EK_CERT_INDEX, nameAlg=TPM2_ALG.SHA256, attributes=attrs, dataSize=len(cert))
+            nvPublic=TPMS_NV_PUBLIC(
+                nvIndex=ECC_EK_CERT_INDEX, nameAlg=TPM2_ALG.SHA256, attributes=attrs, dataSize=len(cert)
+            )
         )
         nv = ctx.nv_define_space(None, nv_public, ESYS_TR.OWNER)
         for off in range(0, len(cert), 512):
