@@ -7,8 +7,9 @@ See :mod:`server.ek.trust` and docs/ek-trust.md.
 
 from __future__ import annotations
 
+from server.ek.config import MODES, TCG_PROFILES, EkTrustConfig
 from server.ek.store import SkippedFile
-from server.ek.trust import MODES, TCG_PROFILES, EkTrust, EkTrustConfig, EkVerdict
+from server.ek.trust import EkTrust, EkVerdict
 from server.errors import EkNotTrustedError
 
 __all__ = [
