@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -261,3 +262,27 @@ def test_empty_ca_directory_warns(tmp_path: Path, caplog: pytest.LogCaptureFixtu
         trust = load(ca_dir=empty)
     assert "holds no usable certificate" in caplog.text
     assert trust.ca_certificate_count == 0
+
+
+def test_concurrent_verify_during_reloads(
+    pki: tuple[Issued, Issued, Issued], ca_dir: Path, keys: Keys
+) -> None:
+    """Threads verifying while the CA directory is reloaded always get a correct, complete verdict."""
+    trust = load(ca_dir=ca_dir, cache_size=2)
+    good = with_cert(pki[2])
+    stranger = with_cert(make_ek(make_ca("Unknown CA", keys("p256-unknown")), keys("p256-ek3")))
+    results: list[tuple[bool, bool]] = []
+
+    def worker() -> None:
+        for _ in range(60):
+            results.append((trust.verify(good).trusted, trust.verify(stranger).trusted))
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for _ in range(5):
+        trust.reload()
+    for thread in threads:
+        thread.join()
+    assert len(results) == 240 and set(results) == {(True, False)}
+    assert trust.generation >= 6
