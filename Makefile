@@ -38,7 +38,7 @@ vm-test: deps
 	scripts/run-tests.sh vm
 
 demo: deps
-	$(PY) -m scripts.demo
+	$(PY) scripts/demo.py
 
 bench: deps
 	$(PY) -m bench.attest
