@@ -20,23 +20,24 @@ Public API (the server depends on these names and signatures):
 
 Severity: each check has a default (``protocol.rules.RULES``); ``fatal`` and ``warn`` in the
 policy override it by exact name or by glob pattern (``node.*``). An exact name beats a
-pattern; between patterns, ``fatal`` wins. A rule's ``fail`` becomes ``warn`` for a check whose
-severity is ``warn``; a node passes when no check is ``fail``.
+pattern; between patterns, ``fatal`` wins. A rule reports ``fail`` for a problem and ``warn`` for
+an advisory that never fails a node (an idle PCIe link below its top generation, a GPU without
+ECC); a ``fail`` becomes ``warn`` when the check's severity is ``warn``. A node passes when no
+check is ``fail``.
 """
 
 from __future__ import annotations
 
 import fnmatch
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
 from protocol.errors import PolicyError
+from protocol.k8s import Taint, label_key_ok, node_name_problem, parse_labels, parse_taints
 from protocol.report import Check, Finding, JsonValue, Observation, Report, Status, Verdict
 from protocol.rules import CHECK_NAMES, RULES_BY_NAME, Context, Malformed, Severity
-from protocol.rules.node import valid_node_name
 
 __all__ = [
     "PRESETS",
@@ -52,32 +53,11 @@ __all__ = [
     "preset",
 ]
 
-TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-
 
 class MigPolicy(StrEnum):
     DISABLED = "disabled"
     ENABLED = "enabled"
     ANY = "any"
-
-
-@dataclass(frozen=True, order=True)
-class Taint:
-    key: str
-    effect: str
-    value: str = ""
-
-    def __str__(self) -> str:
-        return f"{self.key}={self.value}:{self.effect}" if self.value else f"{self.key}:{self.effect}"
-
-    @classmethod
-    def parse(cls, text: str) -> Taint:
-        """``key[=value]:Effect`` as ``kubectl taint`` writes it."""
-        head, sep, effect = text.rpartition(":")
-        if not sep:
-            raise ValueError(f"taint {text!r} has no effect; write key[=value]:Effect")
-        key, _, value = head.partition("=")
-        return cls(key=key, value=value, effect=effect)
 
 
 @dataclass(frozen=True)
@@ -172,7 +152,7 @@ _SCHEMA: dict[str, dict[str, str] | str] = {
     },
     "node": {"control_plane_version": "str", "kubelet_skew_required": "bool", "min_free_disk_gib": "int"},
     "checks": {"fatal": "list", "warn": "list"},
-    "join": {"labels": "map", "taints": "list"},
+    "join": {"labels": "map", "taints": "list", "allowed_taint_keys": "list"},
 }
 _TYPE_TEXT = {
     "str": "a string",
@@ -238,68 +218,13 @@ def _check_patterns(key: str, items: list[Any]) -> frozenset[str]:
     return frozenset(out)
 
 
-def _label_part_ok(text: str, limit: int) -> bool:
-    return len(text) <= limit and bool(re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", text))
-
-
-def _label_key_ok(key: str) -> bool:
-    prefix, sep, name = key.rpartition("/")
-    if sep and (not prefix or valid_node_name(prefix) is not None):
-        return False
-    return bool(name) and _label_part_ok(name, 63)
-
-
-def _labels(items: Mapping[Any, Any]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for k, v in items.items():
-        if not isinstance(k, str) or not _label_key_ok(k):
-            raise PolicyError(f"join.labels: {k!r} is not a valid label key ([prefix/]name)")
-        if not isinstance(v, str):
-            raise PolicyError(
-                f"join.labels.{k}: expected a string value, got {type(v).__name__} {v!r} (quote it)"
-            )
-        if not _label_part_ok(v, 63):
-            raise PolicyError(f"join.labels.{k}: {v!r} is not a valid label value")
-        out[k] = v
-    return out
-
-
-def _taints(items: list[Any]) -> tuple[Taint, ...]:
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            try:
-                taint = Taint.parse(item)
-            except ValueError as exc:
-                raise PolicyError(f"join.taints: {exc}") from None
-        elif isinstance(item, Mapping):
-            unknown = set(item) - {"key", "value", "effect"}
-            if unknown or not all(isinstance(item.get(k, ""), str) for k in ("key", "value", "effect")):
-                raise PolicyError(f"join.taints: {dict(item)!r} must have string key, value, effect only")
-            taint = Taint(
-                key=item.get("key", ""), value=item.get("value", ""), effect=item.get("effect", "")
-            )
-        else:
-            raise PolicyError(f"join.taints: {item!r} must be 'key[=value]:Effect' or a mapping")
-        if not _label_key_ok(taint.key):
-            raise PolicyError(f"join.taints: {taint.key!r} is not a valid taint key")
-        if taint.value and not _label_part_ok(taint.value, 63):
-            raise PolicyError(f"join.taints: {taint.value!r} is not a valid taint value")
-        if taint.effect not in TAINT_EFFECTS:
-            raise PolicyError(
-                f"join.taints: effect {taint.effect!r} is not one of {', '.join(TAINT_EFFECTS)}"
-            )
-        out.append(taint)
-    return tuple(out)
-
-
 def policy_from_mapping(data: Mapping[str, Any]) -> PoolPolicy:
     """Build a policy from a decoded profile; ``preset`` (optional) is the base the keys override."""
     _validate_shape(data)
     base = preset(data["preset"]) if "preset" in data else PoolPolicy(name="")
     changes: dict[str, Any] = {}
     name = data.get("name", base.name)
-    if not name or valid_node_name(name) is not None:
+    if not name or node_name_problem(name) is not None:
         raise PolicyError(
             f"name: {name!r} must be a lower-case DNS name (required unless a preset gives one)"
         )
@@ -346,16 +271,21 @@ def policy_from_mapping(data: Mapping[str, Any]) -> PoolPolicy:
     changes["fatal"] = (base.fatal - warn) | fatal
     changes["warn"] = (base.warn - fatal) | warn
     join: Mapping[str, Any] = data.get("join", {})
-    labels = {**base.label_map, **_labels(join.get("labels", {}))}
+    labels = {**base.label_map, **parse_labels(join.get("labels", {}))}
     changes["labels"] = tuple(sorted(labels.items()))
     if "taints" in join:
-        changes["taints"] = _taints(join["taints"])
+        changes["taints"] = parse_taints(join["taints"])
+    if "allowed_taint_keys" in join:
+        keys = join["allowed_taint_keys"]
+        if not all(isinstance(k, str) and label_key_ok(k) for k in keys):
+            raise PolicyError(f"join.allowed_taint_keys: {keys!r} must be a list of taint keys")
+        changes["allowed_taint_keys"] = frozenset(keys)
     policy = replace(base, **changes)
     if policy.allowed_taint_keys is not None:
         extra = sorted(str(t) for t in policy.taints if t.key not in policy.allowed_taint_keys)
         if extra:
             raise PolicyError(
-                f"join.taints: {', '.join(extra)} not allowed in a {data.get('preset')} pool "
+                f"join.taints: {', '.join(extra)} not allowed in a {data.get('preset') or policy.name} pool "
                 f"(allowed keys: {', '.join(sorted(policy.allowed_taint_keys))})"
             )
     return policy
@@ -388,7 +318,15 @@ def policy_to_mapping(policy: PoolPolicy) -> dict[str, Any]:
         "gpu": gpu,
         "node": node,
         "checks": {"fatal": sorted(policy.fatal), "warn": sorted(policy.warn)},
-        "join": {"labels": dict(policy.labels), "taints": [str(t) for t in policy.taints]},
+        "join": {
+            "labels": dict(policy.labels),
+            "taints": [str(t) for t in policy.taints],
+            **(
+                {"allowed_taint_keys": sorted(policy.allowed_taint_keys)}
+                if policy.allowed_taint_keys is not None
+                else {}
+            ),
+        },
     }
 
 

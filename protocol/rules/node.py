@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
-import re
 
+from protocol.k8s import node_name_problem
 from protocol.rules.base import Context, Outcome, failed, passed, version_tuple
 
 REQUIRED_SYSCTLS = (
@@ -16,7 +16,6 @@ REQUIRED_CGROUP_CONTROLLERS = ("cpu", "memory", "pids")
 # Kubernetes version skew policy: the kubelet may be up to three minor versions
 # older than kube-apiserver (since v1.28) and never newer.
 KUBELET_MAX_MINOR_SKEW = 3
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 GIB = 1024**3
 # The kernel's maxerror saturates at 16 s while no NTP daemon disciplines the clock; systemd's
 # ntp_synced() treats anything below it as synchronised (STA_UNSYNC may be set to spare the RTC).
@@ -172,29 +171,13 @@ def _disk(ctx: Context) -> Outcome:
     return passed("; ".join(shown), expected)
 
 
-def valid_node_name(name: str) -> str | None:
-    """Why ``name`` is not a valid Node name (an RFC 1123 DNS subdomain), or None."""
-    if not name:
-        return "it is empty"
-    if len(name) > 253:
-        return "it is longer than 253 characters"
-    if name != name.lower():
-        return "it has upper-case letters"
-    for label in name.split("."):
-        if not _DNS_LABEL.match(label):
-            return (
-                f"label {label!r} is not an RFC 1123 label (a-z, 0-9, '-', at most 63, no '-' at the ends)"
-            )
-    return None
-
-
 def _hostname(ctx: Context) -> Outcome:
     expected = "a valid Kubernetes node name (RFC 1123 subdomain)"
     o = ctx.obs("node.hostname")
     name = o.opt_text("hostname")
     if name is None:
         return failed("unknown", expected, f"cannot read the host name: {o.opt_text('error')}")
-    why = valid_node_name(name)
+    why = node_name_problem(name)
     if why:
         return failed(name, expected, f"host name {name!r} cannot be a node name: {why}")
     return passed(name, expected)

@@ -295,12 +295,12 @@ def _mig(ctx: Context) -> Outcome:
 def _thermal(ctx: Context) -> Outcome:
     def judge(row: Obs) -> Judgement:
         if (e := _error(row)) is not None:
-            return _WARN, "unreadable", nvml_error_text(e)
+            return _FAIL, "unreadable", nvml_error_text(e)
         temp, reasons = row.num("temperature_c"), row.num("clocks_event_reasons")
         active = [text for bit, text in BAD_CLOCK_REASONS.items() if reasons & bit]
         seen = f"{temp} °C"
         if active:
-            return _WARN, f"{seen}, {', '.join(active)}", f"clocks held back: {', '.join(active)}"
+            return _FAIL, f"{seen}, {', '.join(active)}", f"clocks held back: {', '.join(active)}"
         return _OK, seen, ""
 
     return _per_gpu(ctx, "gpu.thermal", "no thermal or power-brake slowdown", judge)

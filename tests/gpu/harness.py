@@ -149,7 +149,9 @@ def prepare(case: Case, workdir: Path) -> Prepared:
 def require(tool: str, package: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        raise FixtureError(f"{tool} is not installed (Debian package {package}); the GPU fixture tests need it")
+        raise FixtureError(
+            f"{tool} is not installed (Debian package {package}); the GPU fixture tests need it"
+        )
     return path
 
 
@@ -220,4 +222,6 @@ def run_python(
         full_env["LD_LIBRARY_PATH"] = str(double_dir)
     if nvml is not None:
         full_env["NVML_DOUBLE_FIXTURE"] = str(nvml)
-    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120, env=full_env, check=False)
+    return subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=120, env=full_env, check=False
+    )

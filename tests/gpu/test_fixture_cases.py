@@ -75,7 +75,15 @@ def test_fallen_gpu_is_left_out_of_per_gpu_checks(tmp_path: Path, nvml_double: P
     assert pcie is not None and pcie.status is Status.PASS
     assert "not evaluated: GPU 3" in pcie.observed
     rows = pcie.observations["gpus"]
-    assert isinstance(rows, list) and [r["index"] for r in rows if isinstance(r, dict)] == [0, 1, 2, 4, 5, 6, 7]
+    assert isinstance(rows, list) and [r["index"] for r in rows if isinstance(r, dict)] == [
+        0,
+        1,
+        2,
+        4,
+        5,
+        6,
+        7,
+    ]
 
 
 def test_cpu_pool_skips_every_gpu_check_with_a_reason(tmp_path: Path, nvml_double: Path) -> None:

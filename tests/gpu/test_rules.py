@@ -1,0 +1,286 @@
+"""The rules and the verdict, on the real agent's observations with one thing changed at a time.
+
+The server recomputes every status from the observations, so these tests also
+show what a tampered or truncated report gets: the statuses an agent writes
+count for nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from protocol.policy import PRESETS, PoolPolicy, assess, evaluate, policy_from_mapping
+from protocol.report import Check, Observation, Report, Status, Verdict, canonical_json, parse_report
+from protocol.rules import CHECK_NAMES, RULES
+
+Mutator = Callable[[dict[str, Any]], None]
+
+
+def observations(report: Report) -> list[Observation]:
+    return [Observation(c.name, c.source, copy.deepcopy(dict(c.observations))) for c in report.checks]
+
+
+def changed(report: Report, name: str, fn: Mutator) -> list[Observation]:
+    out = observations(report)
+    for o in out:
+        if o.name == name:
+            data = dict(o.observations)
+            fn(data)
+            out[out.index(o)] = Observation(o.name, o.source, data)
+    return out
+
+
+def verdict_of(obs: list[Observation], policy: PoolPolicy) -> tuple[dict[str, Check], Verdict]:
+    checks, verdict = assess(obs, policy)
+    return {c.name: c for c in checks}, verdict
+
+
+def failures(verdict: Verdict) -> dict[str, str]:
+    return {f.check: f.reason for f in verdict.failures}
+
+
+def rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = data["gpus"]
+    return result
+
+
+def test_healthy_observations_pass(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    checks, verdict = verdict_of(observations(healthy_report), h200_policy)
+    assert verdict.passed
+    assert checks["gpu.xid"].status is Status.PASS
+    assert "application XIDs: Xid 13" in checks["gpu.xid"].observed
+
+
+def test_every_rule_has_a_name_source_and_pass_condition() -> None:
+    assert len(CHECK_NAMES) == len(set(CHECK_NAMES)) == len(RULES)
+    for rule in RULES:
+        assert rule.source and rule.passes_when
+
+
+def test_tampered_statuses_and_verdict_are_ignored(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    def unsupported_link(d: dict[str, Any]) -> None:
+        rows(d)[0]["curr_width"] = 4
+
+    bad_checks, bad_verdict = assess(changed(healthy_report, "gpu.pcie", unsupported_link), h200_policy)
+    assert not bad_verdict.passed
+    # The agent lies: every status pass, verdict passed.
+    forged = replace(
+        healthy_report,
+        checks=tuple(replace(c, status=Status.PASS, reason="") for c in bad_checks),
+        verdict=Verdict(passed=True),
+    )
+    received = parse_report(canonical_json(forged))
+    verdict = evaluate(received, h200_policy)
+    assert not verdict.passed
+    assert "link trained to x4, capable of x16" in failures(verdict)["gpu.pcie"]
+
+
+def test_missing_check_fails_that_check(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    truncated = replace(
+        healthy_report, checks=tuple(c for c in healthy_report.checks if c.name != "gpu.ecc.errors")
+    )
+    assert failures(evaluate(truncated, h200_policy)) == {
+        "gpu.ecc.errors": "the report has no result for this check"
+    }
+
+
+def test_dependency_missing_fails_dependants(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    truncated = replace(
+        healthy_report, checks=tuple(c for c in healthy_report.checks if c.name != "gpu.nvml.devices")
+    )
+    f = failures(evaluate(truncated, h200_policy))
+    assert f["gpu.nvml.devices"] == "the report has no result for this check"
+    assert "gpu.nvml.devices is missing from the report" in f["gpu.ecc.mode"]
+
+
+def test_malformed_observations_fail_the_check(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    def wrong_type(d: dict[str, Any]) -> None:
+        rows(d)[3]["current"] = "1"
+
+    _, verdict = verdict_of(changed(healthy_report, "gpu.ecc.mode", wrong_type), h200_policy)
+    assert failures(verdict) == {
+        "gpu.ecc.mode": "observations malformed: gpu.ecc.mode.gpus[3].current: expected an integer"
+    }
+
+
+def test_per_gpu_rows_must_cover_the_reachable_gpus(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    def drop_one(d: dict[str, Any]) -> None:
+        del rows(d)[5]
+
+    _, verdict = verdict_of(changed(healthy_report, "gpu.memory", drop_one), h200_policy)
+    assert "are not the GPUs NVML reaches" in failures(verdict)["gpu.memory"]
+
+
+def test_unknown_check_only_warns(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    obs = [*observations(healthy_report), Observation("gpu.future_check", "somewhere", {})]
+    _, verdict = verdict_of(obs, h200_policy)
+    assert verdict.passed
+    assert ("gpu.future_check", "unknown check, not evaluated by this version") in [
+        (w.check, w.reason) for w in verdict.warnings
+    ]
+
+
+def _thermal_slowdown(d: dict[str, Any]) -> None:
+    rows(d)[1]["clocks_event_reasons"] = 0x41
+    rows(d)[1]["temperature_c"] = 91
+
+
+def test_severity_defaults_and_overrides(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    obs = changed(healthy_report, "gpu.thermal", _thermal_slowdown)
+    checks, verdict = verdict_of(obs, h200_policy)
+    assert verdict.passed and checks["gpu.thermal"].status is Status.WARN
+    assert "91 °C, hardware thermal slowdown" in checks["gpu.thermal"].observed
+    strict = replace(h200_policy, fatal=h200_policy.fatal | {"gpu.thermal"})
+    _, verdict = verdict_of(obs, strict)
+    assert failures(verdict) == {
+        "gpu.thermal": "GPU 1 (0000:2a:00.0): clocks held back: hardware thermal slowdown"
+    }
+    lenient = replace(h200_policy, warn=h200_policy.warn | {"gpu.*"})
+
+    def pending(d: dict[str, Any]) -> None:
+        rows(d)[0]["remapped_rows"]["pending"] = 1
+
+    _, verdict = verdict_of(changed(healthy_report, "gpu.memory", pending), lenient)
+    assert verdict.passed and [w.check for w in verdict.warnings if w.check.startswith("gpu.")] == [
+        "gpu.memory"
+    ]
+
+
+def test_exact_name_beats_pattern() -> None:
+    policy = PoolPolicy(name="p", warn=frozenset({"gpu.*"}), fatal=frozenset({"gpu.memory"}))
+    assert policy.severity("gpu.memory").value == "fatal"
+    assert policy.severity("gpu.ecc.mode").value == "warn"
+    assert policy.severity("node.swap").value == "fatal"
+    assert policy.severity("node.time_sync").value == "warn"
+
+
+def test_count_model_and_cpu_pool(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    obs = observations(healthy_report)
+    f = failures(verdict_of(obs, replace(h200_policy, gpu_count=4))[1])
+    assert f == {"gpu.pci.inventory": "found 8 NVIDIA GPUs on the PCI bus, the pool expects 4"}
+    f = failures(verdict_of(obs, replace(h200_policy, gpu_model="NVIDIA B200"))[1])
+    assert f["gpu.model"].startswith("GPU 0 (0000:18:00.0): is NVIDIA H200, the pool expects NVIDIA B200")
+    assert verdict_of(obs, replace(h200_policy, gpu_count=None, gpu_model=None))[1].passed
+    cpu = replace(PRESETS["cpu"], warn=frozenset({"node.container_runtime", "node.kubelet"}))
+    f = failures(verdict_of(obs, cpu)[1])
+    assert f == {"gpu.pci.inventory": "found 8 NVIDIA GPUs but the pool expects none"}
+
+
+def test_fabric_required_follows_nvswitches_when_unset(
+    healthy_report: Report, h200_policy: PoolPolicy
+) -> None:
+    def not_started(d: dict[str, Any]) -> None:
+        for r in rows(d):
+            r["state"] = 1
+
+    obs = changed(healthy_report, "gpu.fabric", not_started)
+    auto = replace(h200_policy, fabric_required=None)
+    assert "fabric training not started" in failures(verdict_of(obs, auto)[1])["gpu.fabric"]
+
+    def no_switches(d: dict[str, Any]) -> None:
+        d["functions"] = [f for f in d["functions"] if f["class"] != "0x068000"]
+
+    fabric = {o.name: o for o in changed(healthy_report, "gpu.fabric", not_started)}["gpu.fabric"]
+    obs = [
+        fabric if o.name == "gpu.fabric" else o
+        for o in changed(healthy_report, "gpu.pci.inventory", no_switches)
+    ]
+    checks, verdict = verdict_of(obs, auto)
+    assert verdict.passed and checks["gpu.fabric"].status is Status.WARN
+
+
+@pytest.mark.parametrize(
+    ("cuda", "minimum", "ok"),
+    [(12080, "12.8", True), (12040, "12.8", False), (13000, "12.8", True), (12090, "12.10", False)],
+)
+def test_cuda_versions_compare_numerically(
+    healthy_report: Report, h200_policy: PoolPolicy, cuda: int, minimum: str, ok: bool
+) -> None:
+    def set_cuda(d: dict[str, Any]) -> None:
+        d["cuda_driver_version"] = cuda
+
+    obs = changed(healthy_report, "gpu.cuda.version", set_cuda)
+    checks, _ = verdict_of(obs, replace(h200_policy, min_cuda_version=minimum))
+    assert (checks["gpu.cuda.version"].status is Status.PASS) is ok
+
+
+@pytest.mark.parametrize(
+    ("minimum", "ok"), [("570.86.15", True), ("570.124.06", True), ("570.124.7", False), ("575.0", False)]
+)
+def test_driver_versions_compare_numerically(
+    healthy_report: Report, h200_policy: PoolPolicy, minimum: str, ok: bool
+) -> None:
+    checks, _ = verdict_of(observations(healthy_report), replace(h200_policy, min_driver_version=minimum))
+    assert (checks["gpu.driver.version"].status is Status.PASS) is ok
+
+
+@pytest.mark.parametrize(
+    ("xids", "status"),
+    [([13, 31, 43, 45, 68, 109], Status.PASS), ([48], Status.FAIL), ([13, 94], Status.FAIL)],
+)
+def test_xid_ignore_list(
+    healthy_report: Report, h200_policy: PoolPolicy, xids: list[int], status: Status
+) -> None:
+    def events(d: dict[str, Any]) -> None:
+        d["events"] = [{"address": "0000:18:00", "xid": x, "count": 2, "message": "m"} for x in xids]
+
+    checks, _ = verdict_of(changed(healthy_report, "gpu.xid", events), h200_policy)
+    assert checks["gpu.xid"].status is status
+
+
+def test_unreadable_kernel_log_warns(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    def unreadable(d: dict[str, Any]) -> None:
+        d["events"], d["error"] = [], "/dev/kmsg: Operation not permitted"
+
+    checks, verdict = verdict_of(changed(healthy_report, "gpu.xid", unreadable), h200_policy)
+    assert verdict.passed and checks["gpu.xid"].status is Status.WARN
+
+
+PER_GPU = (
+    "gpu.model",
+    "gpu.identity",
+    "gpu.pcie",
+    "gpu.ecc.mode",
+    "gpu.ecc.errors",
+    "gpu.memory",
+    "gpu.persistence_mode",
+    "gpu.mig",
+    "gpu.thermal",
+    "gpu.fabric",
+)
+
+
+def test_lost_gpu_fails_once_with_a_hint(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    def lost(d: dict[str, Any]) -> None:
+        rows(d)[2]["error"] = "NVML_ERROR_GPU_IS_LOST"
+
+    def without_gpu_2(d: dict[str, Any]) -> None:
+        d["gpus"] = [r for r in rows(d) if r["index"] != 2]
+
+    obs = changed(healthy_report, "gpu.nvml.devices", lost)
+    by_name = {o.name: o for o in obs}
+    for name in PER_GPU:
+        data = copy.deepcopy(dict(by_name[name].observations))
+        without_gpu_2(data)
+        by_name[name] = Observation(name, by_name[name].source, data)
+    f = failures(verdict_of(list(by_name.values()), h200_policy)[1])
+    assert f == {
+        "gpu.nvml.devices": "GPU 2 (0000:3a:00.0): NVML_ERROR_GPU_IS_LOST "
+        "(the GPU is lost: reboot the node; replace the GPU if it recurs)"
+    }
+
+
+def test_policy_from_every_preset_judges_the_healthy_node(healthy_report: Report) -> None:
+    obs = observations(healthy_report)
+    for name, policy in PRESETS.items():
+        relaxed = replace(policy, warn=frozenset({"node.*"}), fatal=frozenset())
+        _, verdict = verdict_of(obs, relaxed)
+        assert verdict.passed is (name != "cpu"), (name, verdict.failures)
+    assert (
+        policy_from_mapping({"preset": "lepton-byok", "checks": {"warn": ["node.*"]}}).name == "lepton-byok"
+    )
