@@ -30,7 +30,7 @@ def test_presets_from_the_seed_requirements() -> None:
     assert set(PRESETS) == {"nvke", "lepton-byok", "domino", "cpu"}
     assert PRESETS["nvke"].taints == gpu_taint
     lepton = PRESETS["lepton-byok"]
-    assert lepton.taints == gpu_taint and lepton.allowed_taint_keys == {"nvidia.com/gpu"}
+    assert lepton.taints == gpu_taint and lepton.allowed_taint_keys == frozenset({"nvidia.com/gpu"})
     assert lepton.kubelet_skew_required
     assert (
         lepton.severity("node.time_sync").value == "fatal"
