@@ -163,10 +163,13 @@ class PostgresStore(SqlStore):
             except psycopg.Error as exc:
                 raise self._error(exc) from exc
 
-    def _write(self, work: Callable[[Tx], T]) -> T:
+    def _write(self, work: Callable[[Tx], T], *, single: bool = False) -> T:
         for attempt in range(1, _ATTEMPTS + 1):
             with self._connection() as conn:
                 try:
+                    if single:  # one statement in autocommit is its own transaction: no BEGIN/COMMIT trips
+                        with conn.cursor() as cursor:
+                            return work(_PgTx(cursor))
                     with conn.transaction(), conn.cursor() as cursor:
                         return work(_PgTx(cursor))
                 except (pg_errors.SerializationFailure, pg_errors.DeadlockDetected) as exc:

@@ -144,8 +144,11 @@ class SqlStore(ABC):
         """Run ``work`` as one read-only statement or transaction."""
 
     @abstractmethod
-    def _write(self, work: Callable[[Tx], T]) -> T:
-        """Run ``work`` in one write transaction; it may be run again after a serialization failure."""
+    def _write(self, work: Callable[[Tx], T], *, single: bool = False) -> T:
+        """Run ``work`` in one write transaction; it may be run again after a serialization failure.
+
+        ``single``: ``work`` runs exactly one statement, which the backend may autocommit.
+        """
 
     @abstractmethod
     def migrate(self) -> int: ...
@@ -195,7 +198,7 @@ class SqlStore(ABC):
                 raise StoreError(f"recording the attestation of {record.spiffe_id} returned no row")
             return schema.agent_from_row(row)
 
-        return self._write(work)
+        return self._write(work, single=True)
 
     def get_agent(self, spiffe_id: str) -> AgentRecord | None:
         row = self._read(lambda tx: tx.one(_AGENT_SELECT + " WHERE spiffe_id = %s", (spiffe_id,)))
@@ -212,7 +215,7 @@ class SqlStore(ABC):
     def ban_agent(self, spiffe_id: str) -> bool:
         if not spiffe_id:
             raise ValueError("ban_agent needs a spiffe_id")
-        return self._write(lambda tx: tx.one(_BAN_AGENT, (spiffe_id,)) is not None)
+        return self._write(lambda tx: tx.one(_BAN_AGENT, (spiffe_id,)) is not None, single=True)
 
     def unban_agent(self, spiffe_id: str) -> bool:
         def work(tx: Tx) -> bool:
@@ -224,7 +227,7 @@ class SqlStore(ABC):
         return self._write(work)
 
     def delete_agent(self, spiffe_id: str) -> bool:
-        return self._write(lambda tx: tx.one(_DELETE_AGENT, (spiffe_id,)) is not None)
+        return self._write(lambda tx: tx.one(_DELETE_AGENT, (spiffe_id,)) is not None, single=True)
 
     def is_banned(self, spiffe_id: str) -> bool:
         row = self._read(lambda tx: tx.one("SELECT banned FROM agents WHERE spiffe_id = %s", (spiffe_id,)))
@@ -252,14 +255,14 @@ class SqlStore(ABC):
         return self._write(work)
 
     def revoke_token(self, agent_id: str, token_id: str) -> bool:
-        return self._write(lambda tx: tx.one(_REVOKE_ONE, (agent_id, token_id)) is not None)
+        return self._write(lambda tx: tx.one(_REVOKE_ONE, (agent_id, token_id)) is not None, single=True)
 
     def expired_tokens(self, now: int) -> Iterator[TokenRecord]:
         rows = self._read(lambda tx: tx.all(_EXPIRED_BOOTSTRAP, (now,)))
         return iter([schema.token_from_row(row) for row in rows])
 
     def forget_token(self, agent_id: str, token_id: str) -> None:
-        self._write(lambda tx: tx.execute(_FORGET_ONE, (agent_id, token_id)))
+        self._write(lambda tx: tx.execute(_FORGET_ONE, (agent_id, token_id)), single=True)
 
     # -- join requests and history --------------------------------------------
     def consume_request_id(self, agent_id: str, request_id: str, expires_at: int) -> bool:
@@ -279,7 +282,7 @@ class SqlStore(ABC):
         return self._write(work)
 
     def record_join(self, record: JoinRecord) -> None:
-        self._write(lambda tx: tx.execute(_INSERT_JOIN, schema.join_params(record)))
+        self._write(lambda tx: tx.execute(_INSERT_JOIN, schema.join_params(record)), single=True)
 
     def joins_for(self, agent_id: str) -> list[JoinRecord]:
         return [schema.join_from_row(row) for row in self._read(lambda tx: tx.all(_JOINS_FOR, (agent_id,)))]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -45,6 +46,7 @@ _READERS = 8
 _FLOCK = "@hhqqi4x"
 
 
+@functools.lru_cache(maxsize=256)
 def _placeholders(sql: str) -> str:
     return sql.replace("%s", "?")
 
@@ -153,7 +155,9 @@ class SqliteStore(SqlStore):
                 broken = True
             self._readers.put(conn, broken=broken)
 
-    def _write(self, work: Callable[[Tx], T]) -> T:
+    def _write(self, work: Callable[[Tx], T], *, single: bool = False) -> T:
+        # Always BEGIN IMMEDIATE, even for one statement: it takes the write lock up front, so a
+        # second process writing to the file makes this wait (busy timeout), never fail mid-way.
         with self._write_lock:
             return self._write_locked(work, "BEGIN IMMEDIATE")
 
