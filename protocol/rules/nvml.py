@@ -131,7 +131,12 @@ def _devices(ctx: Context) -> Outcome:
     bad = [(r, e) for r in rows if (e := r.opt_text("error")) is not None]
     observed = f"{len(rows) - len(bad)} of {len(rows)} reachable"
     if bad:
-        return failed(observed, expected, "; ".join(f"{_label(r)}: {nvml_error_text(e)}" for r, e in bad))
+        reason = "; ".join(f"{_label(r)}: {nvml_error_text(e)}" for r, e in bad)
+        reached = {norm_bdf(b) for r in rows if r.opt_text("error") is None and (b := r.opt_text("bus_id"))}
+        orphans = sorted(a for g in _pci(ctx)[0] if (a := norm_bdf(g.text("address"))) not in reached)
+        if orphans:
+            reason += f" (PCI GPUs NVML does not reach: {', '.join(orphans)})"
+        return failed(observed, expected, reason)
     return passed(observed, expected)
 
 
@@ -356,7 +361,11 @@ def _xid(ctx: Context) -> Outcome:
             critical.append(f"{text}: {message}" if message else text)
     log = o.text("log")
     if critical:
-        return failed(f"{len(critical)} critical XID kind(s) in {log}", expected, "; ".join(critical))
+        kinds = sorted(
+            {(ev.num("xid"), ev.text("address")) for ev in events if ev.num("xid") not in APPLICATION_XIDS}
+        )
+        shown = ", ".join(f"Xid {x} on {a}" for x, a in kinds)
+        return failed(f"critical: {shown} (from {log})", expected, "; ".join(critical))
     observed = f"no critical XID in {log}" + (
         f" (application XIDs: {', '.join(ignored)})" if ignored else ""
     )

@@ -271,7 +271,8 @@ def test_lost_gpu_fails_once_with_a_hint(healthy_report: Report, h200_policy: Po
     f = failures(verdict_of(list(by_name.values()), h200_policy)[1])
     assert f == {
         "gpu.nvml.devices": "GPU 2 (0000:3a:00.0): NVML_ERROR_GPU_IS_LOST "
-        "(the GPU is lost: reboot the node; replace the GPU if it recurs)"
+        "(the GPU is lost: reboot the node; replace the GPU if it recurs) "
+        "(PCI GPUs NVML does not reach: 0000:3a:00.0)"
     }
 
 
