@@ -64,9 +64,9 @@ class _Nvml:
             return None, self.code(exc)
 
     def call_either(self, first: str, fallback: str, *args: Any) -> tuple[Any, str | None]:
-        """Call ``first``; on FUNCTION_NOT_FOUND (an older driver) call ``fallback``."""
+        """Call ``first``; when an older driver lacks it (or its structure version), call ``fallback``."""
         value, err = self.call(getattr(self.m, first), *args)
-        if err == "NVML_ERROR_FUNCTION_NOT_FOUND":
+        if err in ("NVML_ERROR_FUNCTION_NOT_FOUND", "NVML_ERROR_ARGUMENT_VERSION_MISMATCH"):
             value, err = self.call(getattr(self.m, fallback), *args)
         return value, err
 

@@ -234,7 +234,7 @@ RULES: tuple[Rule, ...] = (
         "node.hostname",
         FATAL,
         "/proc/sys/kernel/hostname",
-        "a valid node name: RFC 1123 subdomain, lower case, at most 253 characters",
+        "lower-cased (as kubelet and kubeadm do), a valid node name: RFC 1123 subdomain, at most 253 characters",
         node._hostname,
     ),
     Rule(

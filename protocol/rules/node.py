@@ -172,15 +172,19 @@ def _disk(ctx: Context) -> Outcome:
 
 
 def _hostname(ctx: Context) -> Outcome:
-    expected = "a valid Kubernetes node name (RFC 1123 subdomain)"
+    expected = (
+        "a valid Kubernetes node name once lower-cased, as kubelet and kubeadm do (RFC 1123 subdomain)"
+    )
     o = ctx.obs("node.hostname")
     name = o.opt_text("hostname")
     if name is None:
         return failed("unknown", expected, f"cannot read the host name: {o.opt_text('error')}")
-    why = node_name_problem(name)
+    node_name = name.strip().lower()
+    observed = name if node_name == name else f"{name} (node name {node_name})"
+    why = node_name_problem(node_name)
     if why:
-        return failed(name, expected, f"host name {name!r} cannot be a node name: {why}")
-    return passed(name, expected)
+        return failed(observed, expected, f"host name {name!r} cannot be a node name: {why}")
+    return passed(observed, expected)
 
 
 def _kubelet(ctx: Context) -> Outcome:

@@ -23,10 +23,24 @@ def build(directory: Path) -> Path:
     """Compile the double into ``directory/libnvidia-ml.so.1``; return ``directory``."""
     gcc = shutil.which("gcc")
     if gcc is None:
-        raise DoubleBuildError("gcc is not installed (Debian: build-essential); the NVML test double needs it")
+        raise DoubleBuildError(
+            "gcc is not installed (Debian: build-essential); the NVML test double needs it"
+        )
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / LIBRARY
-    argv = [gcc, "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-o", str(out), str(SOURCE)]
+    argv = [
+        gcc,
+        "-std=c11",
+        "-O1",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-shared",
+        "-fPIC",
+        "-o",
+        str(out),
+        str(SOURCE),
+    ]
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise DoubleBuildError(f"building the NVML test double failed:\n{result.stderr}")
