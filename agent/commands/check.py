@@ -1,19 +1,22 @@
 """``nodeagent check``: verify the GPUs and the node against a pool profile.
 
 Exit status: 0 when every fatal check passes (warnings allowed), 1 when the
-verdict fails, 2 for a bad pool profile, 7 when the checks could not run.
+verdict fails, 2 for a bad pool profile or option, 7 when the checks cannot read the
+host at all (no ``/proc`` under ``--host-root``).
 ``--json`` prints the report in its canonical form (what the join request carries).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from agent.checks import run_checks
+from agent.errors import CheckError, ConfigError
 from agent.host import Host
 from agent.pool import default_pool_spec, load_pool
 from protocol.report import Report, Status, canonical_json
@@ -48,14 +51,31 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _host(root: str) -> Host:
+    path = Path(root)
+    if not path.is_dir():
+        raise ConfigError(f"--host-root {root} is not a directory")
+    if not (path / "proc").is_dir():
+        raise CheckError(
+            f"{path / 'proc'} does not exist: the checks cannot read the host",
+            hint="mount the host's /proc under the host root (docker run -v /proc:/host/proc ...)",
+        )
+    return Host(path)
+
+
 def run(args: argparse.Namespace) -> int:
+    host = _host(args.host_root)
     policy = load_pool(args.pool or default_pool_spec())
-    report = run_checks(policy, Host(Path(args.host_root)))
-    if args.json:
-        sys.stdout.buffer.write(canonical_json(report) + b"\n")
+    report = run_checks(policy, host)
+    try:
+        if args.json:
+            sys.stdout.buffer.write(canonical_json(report) + b"\n")
+        else:
+            sys.stdout.write(render(report, width=shutil.get_terminal_size((120, 40)).columns) + "\n")
         sys.stdout.flush()
-    else:
-        print(render(report, width=shutil.get_terminal_size((120, 40)).columns))
+    except BrokenPipeError:
+        # The reader (`| head`) went away; the verdict still decides the exit status.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if report.verdict.passed else EXIT_FAILED
 
 

@@ -91,3 +91,11 @@ def test_cli_imports_no_native_module() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert proc.stdout.strip() == ""
+
+
+def test_host_root_must_hold_proc(tmp_path: Path) -> None:
+    run = nodeagent("--pool", "cpu", "--host-root", str(tmp_path / "absent"))
+    assert run.returncode == 2 and b"is not a directory" in run.stderr
+    run = nodeagent("--pool", "cpu", "--host-root", str(tmp_path))
+    assert run.returncode == 7
+    assert f"nodeagent: error: {tmp_path / 'proc'} does not exist".encode() in run.stderr
