@@ -18,6 +18,9 @@ from protocol.policy import PRESETS, PoolPolicy, assess, evaluate, policy_from_m
 from protocol.report import Check, Observation, Report, Status, Verdict, canonical_json, parse_report
 from protocol.rules import CHECK_NAMES, RULES
 
+# Collectors run programs (journalctl, containerd, kubelet) or the agent itself through agent.proc.
+pytestmark = pytest.mark.subprocess
+
 Mutator = Callable[[dict[str, Any]], None]
 
 

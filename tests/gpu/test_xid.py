@@ -4,8 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from agent.gpu.xid import JOURNAL, KMSG, observe, parse_xids, read_kernel_log
 from agent.host import Host
+
+# Collectors run programs (journalctl, containerd, kubelet) or the agent itself through agent.proc.
+pytestmark = pytest.mark.subprocess
 
 LINES = [
     "NVRM: Xid (PCI:0000:5D:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",

@@ -18,6 +18,9 @@ from protocol.policy import PRESETS, PoolPolicy, assess
 from protocol.report import Check, Observation, Status
 from protocol.rules import CHECK_NAMES
 
+# Collectors run programs (journalctl, containerd, kubelet) or the agent itself through agent.proc.
+pytestmark = pytest.mark.subprocess
+
 CPU = replace(PRESETS["cpu"], min_free_disk_gib=1)
 
 
