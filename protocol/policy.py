@@ -32,6 +32,7 @@ import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Any
 
 from protocol.errors import PolicyError
@@ -101,31 +102,33 @@ class PoolPolicy:
 
 _GPU_TAINT = Taint(key="nvidia.com/gpu", effect="NoSchedule")
 
-PRESETS: Mapping[str, PoolPolicy] = {
-    "nvke": PoolPolicy(
-        name="nvke",
-        description="NVIDIA Kubernetes Engine GPU pool: taint nvidia.com/gpu:NoSchedule at join",
-        taints=(_GPU_TAINT,),
-    ),
-    "lepton-byok": PoolPolicy(
-        name="lepton-byok",
-        description=(
-            "Lepton bring-your-own-Kubernetes GPU pool: no taint but nvidia.com/gpu:NoSchedule, "
-            "kubelet within the skew policy, clocks synchronised"
+PRESETS: Mapping[str, PoolPolicy] = MappingProxyType(
+    {
+        "nvke": PoolPolicy(
+            name="nvke",
+            description="NVIDIA Kubernetes Engine GPU pool: taint nvidia.com/gpu:NoSchedule at join",
+            taints=(_GPU_TAINT,),
         ),
-        taints=(_GPU_TAINT,),
-        allowed_taint_keys=frozenset({"nvidia.com/gpu"}),
-        kubelet_skew_required=True,
-        fatal=frozenset({"node.time_sync", "node.kubelet"}),
-    ),
-    "domino": PoolPolicy(
-        name="domino",
-        description="Domino Data Lab GPU pool: node-pool and GPU labels, clocks synchronised",
-        labels=(("dominodatalab.com/node-pool", "default-gpu"), ("nvidia.com/gpu", "true")),
-        fatal=frozenset({"node.time_sync"}),
-    ),
-    "cpu": PoolPolicy(name="cpu", description="CPU pool: no GPU expected", gpu_count=0),
-}
+        "lepton-byok": PoolPolicy(
+            name="lepton-byok",
+            description=(
+                "Lepton bring-your-own-Kubernetes GPU pool: no taint but nvidia.com/gpu:NoSchedule, "
+                "kubelet within the skew policy, clocks synchronised"
+            ),
+            taints=(_GPU_TAINT,),
+            allowed_taint_keys=frozenset({"nvidia.com/gpu"}),
+            kubelet_skew_required=True,
+            fatal=frozenset({"node.time_sync", "node.kubelet"}),
+        ),
+        "domino": PoolPolicy(
+            name="domino",
+            description="Domino Data Lab GPU pool: node-pool and GPU labels, clocks synchronised",
+            labels=(("dominodatalab.com/node-pool", "default-gpu"), ("nvidia.com/gpu", "true")),
+            fatal=frozenset({"node.time_sync"}),
+        ),
+        "cpu": PoolPolicy(name="cpu", description="CPU pool: no GPU expected", gpu_count=0),
+    }
+)
 
 
 def preset(name: str) -> PoolPolicy:

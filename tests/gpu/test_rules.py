@@ -13,6 +13,8 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from protocol.policy import PRESETS, PoolPolicy, assess, evaluate, policy_from_mapping
 from protocol.report import Check, Observation, Report, Status, Verdict, canonical_json, parse_report
@@ -288,3 +290,32 @@ def test_policy_from_every_preset_judges_the_healthy_node(healthy_report: Report
     assert (
         policy_from_mapping({"preset": "lepton-byok", "checks": {"warn": ["node.*"]}}).name == "lepton-byok"
     )
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=10), inner, max_size=3),
+    max_leaves=12,
+)
+
+
+@given(
+    which=st.sampled_from(CHECK_NAMES),
+    key=st.sampled_from(
+        ["gpus", "functions", "events", "nodes", "modules", "values", "error", "count", "x"]
+    ),
+    value=_json,
+)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_observation_shape_gives_a_verdict(
+    healthy_report: Report, h200_policy: PoolPolicy, which: str, key: str, value: Any
+) -> None:
+    """The server evaluates whatever a parseable report holds: odd shapes fail a check, never the server."""
+
+    def scramble(d: dict[str, Any]) -> None:
+        d[key] = value
+
+    checks, verdict = verdict_of(changed(healthy_report, which, scramble), h200_policy)
+    assert set(checks) == set(CHECK_NAMES)
+    assert all(c.status in Status for c in checks.values())
+    assert verdict.passed is not any(c.status is Status.FAIL for c in checks.values())
