@@ -1,6 +1,6 @@
 """Store micro-benchmark: record_attestation and replace_token rates, SQLite and PostgreSQL, one run.
 
-    .venv/bin/python -m bench.store [--seconds 2] [--threads 1,16,64]
+    .venv/bin/python -m bench.store [--seconds 1] [--threads 1,16,64]
 
 SQLite runs in a temporary directory; PostgreSQL is a throwaway PostgreSQL 15
 started from the Debian packages (as the tests do), with fsync and

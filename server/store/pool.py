@@ -84,17 +84,6 @@ class Pool(Generic[C]):
                 return
         self._discard(conn)
 
-    @contextmanager
-    def connection(self) -> Iterator[C]:
-        """Borrow a connection; it is dropped instead of returned if the block raises."""
-        conn = self.get()
-        try:
-            yield conn
-        except BaseException:
-            self.put(conn, broken=True)
-            raise
-        self.put(conn)
-
     def close(self) -> None:
         """Close the idle connections; connections still handed out are closed when they come back."""
         with self._cond:

@@ -112,6 +112,7 @@ class SqliteStore(SqlStore):
             conn.execute("PRAGMA foreign_keys = ON")
             conn.execute("PRAGMA synchronous = FULL")
             if writer:
+                conn.execute("PRAGMA journal_size_limit = 67108864")  # trim the WAL back to 64 MiB
                 mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()
                 if mode is None or str(mode[0]).lower() != "wal":
                     raise StoreError(
