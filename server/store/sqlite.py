@@ -113,7 +113,7 @@ class SqliteStore(SqlStore):
             conn.execute("PRAGMA synchronous = FULL")
             if writer:
                 conn.execute("PRAGMA journal_size_limit = 67108864")  # trim the WAL back to 64 MiB
-                mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+                mode = _enable_wal(conn)
                 if mode is None or str(mode[0]).lower() != "wal":
                     raise StoreError(
                         f"the SQLite store {self.path} cannot use WAL mode (got {mode and mode[0]!r});"
@@ -237,6 +237,23 @@ class SqliteStore(SqlStore):
             pause = min(pause * 2, 0.02)
 
 
+def _enable_wal(conn: sqlite3.Connection) -> tuple[Any, ...] | None:
+    """Switch the file to WAL (a lasting property of the file); retried while another opener holds it.
+
+    Two processes creating the file at once can get "database is locked" here without the busy
+    handler being called (SQLite refuses to wait where waiting could deadlock).
+    """
+    deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            row: tuple[Any, ...] | None = conn.execute("PRAGMA journal_mode = WAL").fetchone()
+            return row
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(0.01)
+
+
 def _store_error(path: str, exc: sqlite3.Error) -> StoreError:
     text = str(exc)
     if isinstance(exc, sqlite3.IntegrityError):
@@ -249,19 +266,25 @@ def _store_error(path: str, exc: sqlite3.Error) -> StoreError:
 
 
 def _prepare_file(path: str) -> None:
-    """Create the directory (0700) and the file (0600), or check what is there."""
+    """Create the directory (0700) and the file (0600), or check what is there.
+
+    Safe when several processes do it at once: whoever loses the race to create uses what the
+    winner created.
+    """
     directory = os.path.dirname(path)
+    created = False
+    try:
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        os.mkdir(directory, 0o700)
+        created = True
+        os.chmod(directory, 0o700)  # exactly 0700, whatever the umask
+    except FileExistsError:
+        pass  # there already (or a file is in the way: checked below)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the SQLite store directory {directory}: {exc.strerror}") from exc
     if not os.path.isdir(directory):
-        if os.path.lexists(directory):
-            raise ConfigError(f"the SQLite store directory {directory} exists and is not a directory")
-        try:
-            os.makedirs(directory, mode=0o700)
-            os.chmod(directory, 0o700)
-        except OSError as exc:
-            raise ConfigError(
-                f"cannot create the SQLite store directory {directory}: {exc.strerror}"
-            ) from exc
-    else:
+        raise ConfigError(f"the SQLite store directory {directory} exists and is not a directory")
+    if not created:
         mode = stat.S_IMODE(os.stat(directory).st_mode)
         if mode & 0o077 and not mode & stat.S_ISVTX:
             log.warning("the SQLite store directory %s is mode %o; 0700 is recommended", directory, mode)
