@@ -157,7 +157,8 @@ class SqlStore(ABC):
     def close(self) -> None: ...
 
     @abstractmethod
-    def node_lock(self, agent_id: str) -> AbstractContextManager[None]: ...
+    def node_lock(self, agent_id: str) -> AbstractContextManager[None]:
+        """Exclusive per node; enter, use and leave it on one thread (it is re-entrant there)."""
 
     # -- migrations ----------------------------------------------------------
     def _apply_migrations(self, tx: Tx) -> int:
