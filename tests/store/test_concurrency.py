@@ -92,6 +92,7 @@ def test_threads_never_make_two_live_tokens(store: SqlStore, dsn: str, use_lock:
     assert integrity_problems(dsn) == []
 
 
+@pytest.mark.subprocess
 def test_two_processes_never_make_two_live_tokens(store: SqlStore, dsn: str) -> None:
     """Two server processes (4 threads each) mint tokens for one node through node_lock."""
     first = seed(store)
@@ -121,6 +122,7 @@ def test_two_processes_never_make_two_live_tokens(store: SqlStore, dsn: str) -> 
     assert integrity_problems(dsn) == []
 
 
+@pytest.mark.subprocess
 def test_concurrent_migrate_from_several_processes(dsn: str) -> None:
     """Three processes open a brand-new database and migrate it at the same moment."""
     workers = [spawn_worker("migrate", dsn, stdin=subprocess.PIPE) for _ in range(3)]

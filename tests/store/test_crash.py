@@ -22,6 +22,8 @@ from server.store import sqlite_path
 from server.store.sql import SqlStore
 from tests.store.helpers import integrity_problems, make_cluster, open_backend, raw_rows, spawn_worker
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
+
 
 def complete_lines(text: str) -> list[str]:
     """Lines the worker finished writing; a line cut off by the kill is not an ack."""

@@ -134,6 +134,7 @@ def test_sqlite_database_corrupted_on_disk(tmp_path: Path) -> None:
             broken.close()
 
 
+@pytest.mark.subprocess
 def test_sqlite_directory_not_writable(tmp_path: Path) -> None:
     """As an unprivileged user (root writes anywhere): a ConfigError that names the directory."""
     locked = Path(tempfile.mkdtemp(prefix="nodetrust-ro-"))
@@ -178,6 +179,7 @@ def private_postgres() -> Iterator[PostgresCluster]:
 
 
 @pytest.mark.postgres
+@pytest.mark.subprocess
 def test_postgres_that_goes_away_is_a_store_error_then_recovers(private_postgres: PostgresCluster) -> None:
     cluster = private_postgres
     dsn = cluster.dsn(cluster.create_database())
