@@ -40,7 +40,12 @@ except ImportError:  # pragma: no cover - older cryptography
 from protocol.errors import CredentialError, TpmStructureError
 from protocol.tpm2 import HASH_SIZES, Alg, Reader, tpm2b
 
-_HASH_NAMES: dict[int, str] = {Alg.SHA1: "sha1", Alg.SHA256: "sha256", Alg.SHA384: "sha384", Alg.SHA512: "sha512"}
+_HASH_NAMES: dict[int, str] = {
+    Alg.SHA1: "sha1",
+    Alg.SHA256: "sha256",
+    Alg.SHA384: "sha384",
+    Alg.SHA512: "sha512",
+}
 _CRYPTO_HASHES: dict[int, type[hashes.HashAlgorithm]] = {
     Alg.SHA1: hashes.SHA1,
     Alg.SHA256: hashes.SHA256,

@@ -48,7 +48,8 @@ def nodeserver(config: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
     try:
         port = 0
         deadline = time.monotonic() + 60
-        assert proc.stdout is not None
+        if proc.stdout is None:
+            raise SystemExit("nodeserver has no stdout pipe")
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             if not line:
@@ -71,7 +72,9 @@ def nodeserver(config: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder for inspection")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -79,7 +82,10 @@ def main() -> int:
 
     missing = missing_tools()
     if missing:
-        print(f"demo: missing {', '.join(missing)}; run `make deps` (installs swtpm and swtpm-tools)", file=sys.stderr)
+        print(
+            f"demo: missing {', '.join(missing)}; run `make deps` (installs swtpm and swtpm-tools)",
+            file=sys.stderr,
+        )
         return 1
     work = Path(tempfile.mkdtemp(prefix="nodetrust-demo-"))
     tpm: Swtpm | None = None
@@ -105,7 +111,7 @@ def main() -> int:
                 indent=2,
             )
         )
-        with nodeserver(config) as (server, port):
+        with nodeserver(config) as (_server, port):
             bundle = run([sys.executable, "-m", "server.cli", "bundle", "--config", str(config)])
             if bundle.returncode != 0:
                 print(bundle.stderr, file=sys.stderr)

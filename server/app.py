@@ -34,20 +34,15 @@ MAX_MESSAGE_BYTES = 1024 * 1024
 
 
 def open_ek_trust(config: ServerConfig) -> EkTrustLike:
-    from server.ek_trust import EkTrust, EkTrustConfig
+    from server.ek_trust import EkTrust
 
     settings = config.ek_trust
-    if settings.ca_dir is None and settings.hash_dir is None:
+    if settings is None or (settings.ca_dir is None and settings.hash_dir is None):
         raise ConfigError(
             "ek_trust: set ca_dir (manufacturer CA certificates) and/or hash_dir (allowed EK hashes); "
             "see docs/ek-trust.md"
         )
-    mode = settings.mode or (
-        "ca_or_hash" if settings.ca_dir and settings.hash_dir else "ca" if settings.ca_dir else "hash"
-    )
-    trust: EkTrustLike = EkTrust.load(
-        EkTrustConfig(ca_dir=settings.ca_dir, hash_dir=settings.hash_dir, mode=mode)
-    )
+    trust: EkTrustLike = EkTrust.load(settings)
     return trust
 
 
@@ -127,6 +122,9 @@ class ServerApp:
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 0),
+            ("grpc.enable_channelz", 0),
+            # Shed connections that carry no RPC for a minute (an agent makes one or two calls).
+            ("grpc.max_connection_idle_ms", 60_000),
         ]
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=4096)
         agent_pb2_grpc.add_AgentServicer_to_server(agent_service, server)

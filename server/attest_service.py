@@ -177,13 +177,11 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 f"could not find node attestor type {params.data.type!r}; this server supports: "
                 + ", ".join(sorted(self.attestors))
             )
-        # Refuse banned agents before spending a challenge, and again before issuing.
-        agent_id, _, _ = attestor.agent_id_for(params.data.payload)
-        attempt.agent_id, attempt.ek_hash = str(agent_id), agent_id.path.rsplit("/", 1)[-1]
-        await self._refuse_banned(attempt.agent_id)
+        evidence = attestor.decode(params.data.payload)
+        attempt.agent_id, attempt.ek_hash = str(evidence.agent_id), evidence.ek.pub_hash
         # Check the CSR now, so a bad one fails before the challenge; only its public key is used.
         csr_key = self.ca.verify_csr(params.params.csr)
-        pending = attestor.begin(params.data.payload)
+        pending = attestor.begin(evidence)
         attempt.ek_method = pending.ek_method
         yield agent_pb2.AttestAgentResponse(challenge=pending.challenge)
         reply = await self._next(it, context, "challenge response")
@@ -193,6 +191,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 reason="unexpected_params",
             )
         result = attestor.finish(pending, reply.challenge_response)
+        # A banned agent proves its identity like any other, then is refused before anything is issued.
         await self._refuse_banned(attempt.agent_id)
         svid = self.ca.issue_agent_svid(csr_key, result.agent_id, self.svid_ttl)
         now = int(time.time())
@@ -258,7 +257,7 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             **attempt.fields,
         )
         if result == "ok":
-            log.info("attested %s from %s in %.0f ms", attempt.agent_id, attempt.peer, elapsed * 1000)
+            log.debug("attested %s from %s in %.0f ms", attempt.agent_id, attempt.peer, elapsed * 1000)
         else:
             log.warning("attestation from %s refused (%s): %s", attempt.peer, reason, message)
 

@@ -17,6 +17,7 @@ import yaml
 
 from protocol.errors import SpiffeIdError
 from protocol.spiffe import validate_trust_domain
+from server.ek.config import EkTrustConfig
 from server.errors import ConfigError
 
 _DURATION_RE = re.compile(r"^(\d+)(ms|s|m|h|d)$")
@@ -48,13 +49,6 @@ def parse_address(value: Any, key: str) -> tuple[str, int]:
 
 
 @dataclass(frozen=True)
-class EkTrustSettings:
-    ca_dir: Path | None = None
-    hash_dir: Path | None = None
-    mode: str = ""  # "", ca, hash, ca_or_hash, ca_and_hash
-
-
-@dataclass(frozen=True)
 class ServerConfig:
     trust_domain: str
     data_dir: Path
@@ -69,7 +63,7 @@ class ServerConfig:
     challenge_timeout: dt.timedelta = dt.timedelta(seconds=30)
     max_payload_bytes: int = 64 * 1024
     server_dns_names: tuple[str, ...] = ()
-    ek_trust: EkTrustSettings = field(default_factory=EkTrustSettings)
+    ek_trust: EkTrustConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # sections owned by other modules (join, pools)
 
     @property
@@ -161,18 +155,13 @@ def config_from_mapping(doc: Any, *, base_dir: Path | None = None) -> ServerConf
             _expect(n, str, f"server_dns_names[{i}]", "a DNS name")
         kwargs["server_dns_names"] = tuple(names)
     if "ek_trust" in doc:
-        et = _expect(doc["ek_trust"], dict, "ek_trust", "a mapping with ca_dir, hash_dir, mode")
-        bad = sorted(set(et) - {"ca_dir", "hash_dir", "mode"})
-        if bad:
-            raise ConfigError(f"ek_trust: unknown key(s) {', '.join(bad)}; expected ca_dir, hash_dir, mode")
-        mode = _expect(et.get("mode", ""), str, "ek_trust.mode", "one of ca, hash, ca_or_hash, ca_and_hash")
-        if mode not in ("", "ca", "hash", "ca_or_hash", "ca_and_hash"):
-            raise ConfigError(f"ek_trust.mode: {mode!r} is not one of ca, hash, ca_or_hash, ca_and_hash")
-        kwargs["ek_trust"] = EkTrustSettings(
-            ca_dir=path("ek_trust.ca_dir", et["ca_dir"]) if et.get("ca_dir") else None,
-            hash_dir=path("ek_trust.hash_dir", et["hash_dir"]) if et.get("hash_dir") else None,
-            mode=mode,
+        et = _expect(
+            doc["ek_trust"],
+            dict,
+            "ek_trust",
+            "a mapping (ca_dir, hash_dir, mode, ...); see docs/ek-trust.md",
         )
+        kwargs["ek_trust"] = EkTrustConfig.from_mapping(et, base_dir=base_dir)
     if kwargs.get("agent_svid_ttl", dt.timedelta(hours=1)) < dt.timedelta(minutes=1):
         raise ConfigError("agent_svid_ttl: must be at least 1m")
     kwargs["extra"] = {k: doc[k] for k in EXTRA_SECTIONS if k in doc}

@@ -60,6 +60,15 @@ class EkTrustLike(Protocol):
 
 
 @dataclass(frozen=True)
+class Evidence:
+    """A decoded payload: the agent it claims to be, its EK and its AK parameters."""
+
+    agent_id: SpiffeId
+    ek: EkData
+    ak: AttestationParameters
+
+
+@dataclass(frozen=True)
 class PendingAttestation:
     """What the server remembers between the challenge and the response (in memory only)."""
 
@@ -167,15 +176,17 @@ class TpmNodeAttestor:
         self.trust_domain = trust_domain
         self.ek_trust = ek_trust
 
-    def agent_id_for(self, payload: bytes) -> tuple[SpiffeId, EkData, AttestationParameters]:
+    def decode(self, payload: bytes) -> Evidence:
+        """Decode the payload and name the agent it claims to be (nothing is verified yet)."""
         try:
             data = decode_attestation_data(payload)
         except ProtocolError as exc:
             raise InvalidRequestError(f"tpm payload: {exc}", reason="payload_malformed") from exc
-        return tpm_agent_id(self.trust_domain, data.ek.pub_hash), data.ek, data.ak
+        return Evidence(tpm_agent_id(self.trust_domain, data.ek.pub_hash), data.ek, data.ak)
 
-    def begin(self, payload: bytes) -> PendingAttestation:
-        agent_id, ek, ak = self.agent_id_for(payload)
+    def begin(self, evidence: Evidence) -> PendingAttestation:
+        """Validate the EK and the AK and build the credential challenge."""
+        agent_id, ek, ak = evidence.agent_id, evidence.ek, evidence.ak
         verdict = self.ek_trust.verify(ek)
         if not verdict.trusted:
             raise AttestationDeniedError(
