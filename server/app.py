@@ -18,8 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from protocol._gen.spire.api.server.agent.v1 import agent_pb2_grpc
+from protocol._gen.spire.api.server.bundle.v1 import bundle_pb2_grpc
 from server.attest_service import AgentService
 from server.audit import AuditLog
+from server.bundle_service import BundleService
 from server.ca import CertificateAuthority, ServerSvid
 from server.config import ServerConfig
 from server.errors import ConfigError
@@ -128,6 +130,7 @@ class ServerApp:
         ]
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=4096)
         agent_pb2_grpc.add_AgentServicer_to_server(agent_service, server)
+        bundle_pb2_grpc.add_BundleServicer_to_server(BundleService(self.ca), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         host, port = cfg.listen

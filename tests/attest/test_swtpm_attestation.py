@@ -318,3 +318,42 @@ def test_health_and_metrics(
     assert 'nodeserver_attestations_total{reason="attested",result="ok"} 1.0' in body
     assert "nodeserver_attestation_duration_seconds_bucket" in body
     assert "nodeserver_agents_known" in body
+
+
+def test_get_bundle_like_a_spire_agent(servers: Callable[..., ServerThread], tmp_path: Path) -> None:
+    """After AttestAgent a SPIRE agent fetches the bundle on the same connection."""
+    from grpclib.client import Channel
+    from grpclib.const import Cardinality
+
+    from agent.tls import SpiffeTLSContext
+    from protocol._gen.spire.api.server.bundle.v1 import bundle_pb2
+    from protocol._gen.spire.api.types import bundle_pb2 as types_bundle_pb2
+    from protocol.spiffe import server_id
+
+    hashes = tmp_path / "h"
+    hashes.mkdir()
+    srv = servers(ek_trust={"hash_dir": str(hashes)})
+
+    async def fetch() -> types_bundle_pb2.Bundle:
+        ch = Channel(
+            "127.0.0.1", srv.app.ports.attest, ssl=SpiffeTLSContext(srv.bundle, [server_id("example.org")])
+        )
+        try:
+            async with ch.request(
+                "/spire.api.server.bundle.v1.Bundle/GetBundle",
+                Cardinality.UNARY_UNARY,
+                bundle_pb2.GetBundleRequest,
+                types_bundle_pb2.Bundle,
+            ) as stream:
+                await stream.send_message(bundle_pb2.GetBundleRequest(), end=True)
+                reply = await stream.recv_message()
+                assert reply is not None
+                return reply
+        finally:
+            ch.close()
+
+    bundle = asyncio.run(fetch())
+    assert bundle.trust_domain == "example.org"
+    assert [x509.load_der_x509_certificate(a.asn1) for a in bundle.x509_authorities] == [
+        x509.load_pem_x509_certificate(srv.bundle)
+    ]

@@ -11,6 +11,7 @@ from google.protobuf.descriptor import FieldDescriptor as F
 
 from protocol._gen.spire.api.server.agent.v1 import agent_pb2
 from protocol._gen.spire.api.types import agent_pb2 as types_agent_pb2
+from protocol._gen.spire.api.server.bundle.v1 import bundle_pb2
 from protocol._gen.spire.api.types import attestation_pb2, selector_pb2, spiffeid_pb2, x509svid_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,8 +47,15 @@ EXPECTED = {
     ("spire.api.types.Agent", "banned"): (6, F.TYPE_BOOL),
     ("spire.api.types.Agent", "can_reattest"): (7, F.TYPE_BOOL),
     ("spire.api.types.Agent", "agent_version"): (8, F.TYPE_STRING),
+    ("spire.api.types.Bundle", "trust_domain"): (1, F.TYPE_STRING),
+    ("spire.api.types.Bundle", "x509_authorities"): (2, F.TYPE_MESSAGE),
+    ("spire.api.types.Bundle", "jwt_authorities"): (3, F.TYPE_MESSAGE),
+    ("spire.api.types.Bundle", "refresh_hint"): (4, F.TYPE_INT64),
+    ("spire.api.types.Bundle", "sequence_number"): (5, F.TYPE_UINT64),
+    ("spire.api.types.X509Certificate", "asn1"): (1, F.TYPE_BYTES),
+    ("spire.api.server.bundle.v1.GetBundleRequest", "output_mask"): (1, F.TYPE_MESSAGE),
 }
-MODULES = [agent_pb2, types_agent_pb2, attestation_pb2, selector_pb2, spiffeid_pb2, x509svid_pb2]
+MODULES = [agent_pb2, bundle_pb2, types_agent_pb2, attestation_pb2, selector_pb2, spiffeid_pb2, x509svid_pb2]
 
 
 def _message(full_name: str):  # type: ignore[no-untyped-def]
