@@ -10,8 +10,8 @@ import pytest
 from google.protobuf.descriptor import FieldDescriptor as F
 
 from protocol._gen.spire.api.server.agent.v1 import agent_pb2
-from protocol._gen.spire.api.types import agent_pb2 as types_agent_pb2
 from protocol._gen.spire.api.server.bundle.v1 import bundle_pb2
+from protocol._gen.spire.api.types import agent_pb2 as types_agent_pb2
 from protocol._gen.spire.api.types import attestation_pb2, selector_pb2, spiffeid_pb2, x509svid_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
