@@ -41,7 +41,9 @@ demo: deps
 	$(PY) scripts/demo.py
 
 bench: deps
-	$(PY) -m bench.attest
+	$(PY) bench/attest.py
+	$(PY) -m bench.store
+	$(PY) -m bench.check
 
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache
