@@ -15,8 +15,8 @@ start_one() {
     echo ">> $name already running; leaving it alone"
     return
   fi
-  echo ">> starting $name"
-  "$@" &
+  echo ">> starting $name (log: $RUN/$name.log)"
+  "$@" >"$RUN/$name.log" 2>&1 &
   local pid=$!
   echo "$pid" > "$RUN/$name.pid"
   for _ in $(seq 1 50); do

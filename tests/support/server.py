@@ -44,7 +44,7 @@ class ServerThread:
 
     def stop(self) -> None:
         if self._thread.is_alive():
-            self.call(self.app.stop)
+            self.call(lambda: self.app.stop(grace=0.2))
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
         self._loop.close()
