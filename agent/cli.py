@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from agent.errors import AgentError
 
 COMMAND_MODULES = (
+    "agent.commands.run",
+    "agent.commands.status",
     "agent.commands.attest",
     "agent.commands.check",
 )

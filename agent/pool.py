@@ -19,8 +19,8 @@ from protocol.policy import PRESETS, PoolPolicy, policy_from_mapping, preset
 
 log = logging.getLogger(__name__)
 
-DEFAULT_POOL_FILE = "/etc/nodetrust/pool.yaml"
-POOL_ENV = "NODETRUST_POOL"
+DEFAULT_POOL_FILE = "/etc/nodeagent/pool.yaml"
+POOL_ENV = "NODEAGENT_POOL_PROFILE"
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -56,7 +56,7 @@ def load_pool(spec: str) -> PoolPolicy:
 
 
 def default_pool_spec() -> str:
-    """``$NODETRUST_POOL``, else /etc/nodetrust/pool.yaml; raises when neither exists."""
+    """``$NODEAGENT_POOL_PROFILE``, else /etc/nodeagent/pool.yaml; raises when neither exists."""
     spec = os.environ.get(POOL_ENV)
     if spec:
         return spec

@@ -77,6 +77,7 @@ class ServerApp:
         self._owns_store = self.store is None
         self._tasks: list[asyncio.Task[None]] = []
         self.ca: CertificateAuthority | None = None
+        self.join_service: Any = None
         self.audit: AuditLog | None = None
         self.metrics = Metrics.create()
 
@@ -149,8 +150,68 @@ class ServerApp:
             except OSError as exc:
                 raise ConfigError(f"metrics_listen: cannot bind {mhost}:{mport}: {exc.strerror}") from exc
             self.ports.metrics = self._metrics_server.server_port
+        await self._start_join(svid, options)
         self._tasks.append(asyncio.create_task(self._refresh_gauges()))
         log.info("nodeserver for %s listening on %s:%d", cfg.trust_domain, host, self.ports.attest)
+
+    async def _start_join(self, svid: ServerSvid, options: list[tuple[str, Any]]) -> None:
+        """Serve the Join API (mutual TLS with agent SVIDs) when pools are configured."""
+        from protocol._gen.nodetrust.join.v1 import join_pb2_grpc
+        from server.join_service import JoinService
+        from server.pools import join_settings
+        from server.tokens.backend import open_backend
+
+        cfg = self.config
+        settings = join_settings(cfg.extra, base_dir=cfg.base_dir)
+        if settings is None:
+            if cfg.join_listen is not None:
+                raise ConfigError("join_listen is set but no pools are configured")
+            return
+        if cfg.join_listen is None:
+            raise ConfigError("pools are configured but join_listen is not: set join_listen: 0.0.0.0:8082")
+        if self.ca is None or self.store is None or self.audit is None:
+            raise ConfigError("the join broker starts after the CA, the store and the audit log")
+        backend = open_backend(settings.token_backend, base_dir=cfg.base_dir)
+        backend.check()
+        self.join_service = JoinService(
+            trust_domain=cfg.trust_domain,
+            settings=settings,
+            store=self.store,
+            backend=backend,
+            audit=self.audit,
+            metrics=self.metrics,
+            executor=self._executor,
+        )
+        server = grpc.aio.server(options=options)
+        join_pb2_grpc.add_JoinServicer_to_server(self.join_service, server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        host, port = cfg.join_listen
+        bound = server.add_secure_port(
+            f"{_bracket(host)}:{port}", self._credentials(svid, client_ca=self.ca.bundle_pem())
+        )
+        if bound == 0:
+            raise ConfigError(f"join_listen: cannot bind {host}:{port}")
+        self.ports.join = bound
+        await server.start()
+        self._servers.append(server)
+        await health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await health.set("nodetrust.join.v1.Join", health_pb2.HealthCheckResponse.SERVING)
+        self._tasks.append(asyncio.create_task(self._sweep_tokens()))
+        log.info("join broker for pools %s listening on %s:%d", ", ".join(settings.pools), host, bound)
+
+    async def _sweep_tokens(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(30)
+            if self.join_service is None:
+                return
+            try:
+                swept = await loop.run_in_executor(self._executor, self.join_service.sweep_expired)
+                if swept:
+                    log.info("removed %d expired bootstrap token(s)", swept)
+            except Exception:
+                log.warning("could not sweep expired bootstrap tokens", exc_info=True)
 
     async def _refresh_gauges(self) -> None:
         loop = asyncio.get_running_loop()

@@ -65,6 +65,7 @@ class ServerConfig:
     server_dns_names: tuple[str, ...] = ()
     ek_trust: EkTrustConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # sections owned by other modules (join, pools)
+    base_dir: Path | None = None  # the configuration file's folder: relative paths start there
 
     @property
     def store_dsn(self) -> str:
@@ -165,6 +166,7 @@ def config_from_mapping(doc: Any, *, base_dir: Path | None = None) -> ServerConf
     if kwargs.get("agent_svid_ttl", dt.timedelta(hours=1)) < dt.timedelta(minutes=1):
         raise ConfigError("agent_svid_ttl: must be at least 1m")
     kwargs["extra"] = {k: doc[k] for k in EXTRA_SECTIONS if k in doc}
+    kwargs["base_dir"] = base_dir
     return ServerConfig(**kwargs)
 
 

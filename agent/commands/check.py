@@ -38,7 +38,7 @@ def register(subparsers: Any) -> None:
         "--pool",
         metavar="FILE|PRESET",
         help="pool profile (YAML) or preset: nvke, lepton-byok, domino, cpu "
-        "(default: $NODETRUST_POOL, else /etc/nodetrust/pool.yaml)",
+        "(default: $NODEAGENT_POOL_PROFILE, else /etc/nodeagent/pool.yaml)",
     )
     p.add_argument("--json", action="store_true", help="print the report as canonical JSON")
     p.add_argument(

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def nodeagent(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("NODETRUST_POOL", "LD_LIBRARY_PATH")}
+    full_env = {k: v for k, v in os.environ.items() if k not in ("NODEAGENT_POOL_PROFILE", "LD_LIBRARY_PATH")}
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "agent.cli", "check", *args],
@@ -76,9 +76,9 @@ def test_bad_profile_exit_code_and_message(tmp_path: Path) -> None:
 
 
 def test_pool_from_environment_and_missing_pool() -> None:
-    run = nodeagent("--json", env={"NODETRUST_POOL": "examples/pools/cpu-devbox.yaml"})
+    run = nodeagent("--json", env={"NODEAGENT_POOL_PROFILE": "examples/pools/cpu-devbox.yaml"})
     assert parse_report(run.stdout.strip()).pool == "cpu-devbox"
-    if not Path("/etc/nodetrust/pool.yaml").exists():
+    if not Path("/etc/nodeagent/pool.yaml").exists():
         run = nodeagent()
         assert run.returncode == 2
         assert b"no pool given" in run.stderr
