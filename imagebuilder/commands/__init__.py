@@ -1,0 +1,1 @@
+"""``imagebuilder`` sub-commands; each module exposes ``register(subparsers)``."""

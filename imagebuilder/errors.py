@@ -1,0 +1,57 @@
+"""The image builder's error hierarchy: a message that says what failed, a hint that names the fix."""
+
+from __future__ import annotations
+
+
+class BuildError(Exception):
+    exit_code = 1
+
+    def __init__(self, message: str, *, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DefinitionError(BuildError):
+    """definition.yaml is invalid."""
+
+    exit_code = 2
+
+
+class LockError(BuildError):
+    """The lock file is missing, stale, or does not cover an input."""
+
+    exit_code = 3
+
+
+class FetchError(BuildError):
+    """A download failed or its digest does not match."""
+
+    exit_code = 4
+
+
+class VerificationError(BuildError):
+    """A checksum, signature or digest does not match."""
+
+    exit_code = 5
+
+
+class InstallerError(BuildError):
+    """The installer failed, hung, or asked a question; the message carries the diagnosis."""
+
+    exit_code = 6
+
+
+class VmError(BuildError):
+    """libvirt or QEMU could not run the build VM."""
+
+    exit_code = 7
+
+
+class OutputError(BuildError):
+    """Publishing or reading build outputs failed."""
+
+    exit_code = 8
