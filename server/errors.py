@@ -114,3 +114,10 @@ class CancelledByClientError(ServerError):
 
     grpc_code = "CANCELLED"
     reason = "cancelled"
+
+
+class TokenConflictError(TokenBackendError):
+    """The backend already holds a bootstrap token with this id: mint a new token and try again."""
+
+    grpc_code = "ABORTED"
+    reason = "token_conflict"
