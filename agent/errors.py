@@ -100,6 +100,12 @@ class KubeadmError(AgentError):
     exit_code = 9
 
 
+class JoinConfigError(KubeadmError):
+    """The join credentials or node settings cannot make a valid JoinConfiguration (nothing was run)."""
+
+    permanent = True
+
+
 class StateError(AgentError):
     """The agent's state directory is unreadable or corrupt."""
 
