@@ -55,3 +55,23 @@ class OutputError(BuildError):
     """Publishing or reading build outputs failed."""
 
     exit_code = 8
+
+
+class KeyFileError(BuildError):
+    """A signing or verification key is missing, unreadable, unsafe, encrypted without a passphrase,
+    or of a kind the builder does not sign with (ECDSA P-256 and Ed25519 only)."""
+
+    exit_code = 9
+
+
+class FolderMismatch(VerificationError):
+    """One file of a build folder does not match what another file says about it.
+
+    ``path`` names that file (relative to the folder) and ``reason`` says why; the message is
+    ``"<path>: <reason>"``.
+    """
+
+    def __init__(self, path: str, reason: str, *, hint: str = "") -> None:
+        super().__init__(f"{path}: {reason}", hint=hint)
+        self.path = path
+        self.reason = reason
