@@ -1,0 +1,30 @@
+"""systemd files shipped with the agent (package data), installed into the image by the builder.
+
+``nodeagent.service``                 -> /etc/systemd/system/nodeagent.service (enabled)
+``kubelet.service.d/10-nodeagent.conf`` -> /etc/systemd/system/kubelet.service.d/10-nodeagent.conf
+
+Public API::
+
+    FILES: dict[str, str]        # file name here -> installed path
+    read(name: str) -> str       # the text of one of FILES
+
+See docs/systemd.md for what each directive is for.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+FILES = {
+    "nodeagent.service": "/etc/systemd/system/nodeagent.service",
+    "kubelet.service.d/10-nodeagent.conf": "/etc/systemd/system/kubelet.service.d/10-nodeagent.conf",
+}
+
+
+def read(name: str) -> str:
+    if name not in FILES:
+        raise KeyError(f"not a shipped systemd file: {name!r} (known: {', '.join(FILES)})")
+    node = resources.files(__name__)
+    for part in name.split("/"):
+        node = node / part
+    return node.read_text(encoding="utf-8")
