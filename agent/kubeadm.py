@@ -324,7 +324,7 @@ def kubeadm_join(config_path: Path, *, kubeadm: str = "kubeadm", timeout: float 
             raise KubeadmError(redact(exc.message, *secrets), hint=hint) from exc
         output = redact(result.stdout + "\n" + result.stderr, *secrets)
         if result.returncode != 0:
-            log.debug("kubeadm output:\n%s", output)
+            log.warning("kubeadm join failed (exit %d); its output:\n%s", result.returncode, output.strip())
             hint = next((h for pattern, h in _KUBEADM_HINTS if pattern.search(output)), "")
             raise KubeadmError(
                 f"kubeadm join exited with status {result.returncode}: {_tail(output) or 'no output'}",
