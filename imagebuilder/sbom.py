@@ -9,10 +9,12 @@ BUILD_TOOL_OF. The output is deterministic except ``documentNamespace``, which i
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 import uuid
 from collections.abc import Mapping
+from importlib import resources
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -26,6 +28,7 @@ NAMESPACE_BASE = "https://nodetrust.dev/spdx/"
 IMAGE_ID = "SPDXRef-Image"
 DOCUMENT_ID = "SPDXRef-DOCUMENT"
 NOASSERTION = "NOASSERTION"
+SCHEMA_FILE = "spdx-2.3-subset.schema.json"
 
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9.-]+")
 _CREATED = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
@@ -111,6 +114,14 @@ def make_sbom(
     }
     log.debug("SBOM for %s: %d packages, %d relationships", build_id, len(packages), len(relationships))
     return document
+
+
+def sbom_schema() -> dict[str, Any]:
+    """The JSON Schema (draft-07) of the SPDX 2.3 subset :func:`make_sbom` emits
+    (``imagebuilder/schemas/spdx-2.3-subset.schema.json``)."""
+    text = resources.files("imagebuilder.schemas").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema
 
 
 def deb_purl(distro: str, name: str, version: str, architecture: str) -> str:

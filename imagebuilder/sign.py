@@ -129,7 +129,7 @@ def load_private_key(path: Path, *, passphrase: bytes | None = None) -> PrivateK
     ``IMAGEBUILDER_KEY_PASSPHRASE``. A passphrase given for an unencrypted key is ignored.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY)  # a symlink is fine (secret mounts); the target's mode counts
     except OSError as exc:
         raise KeyFileError(f"{path}: cannot open the private key: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as fh:
