@@ -135,6 +135,7 @@ class Vm:
         ]  # fmt: skip
         if self.kernel is not None and self.initrd is not None:
             argv += ["-kernel", str(self.kernel), "-initrd", str(self.initrd), "-append", self.append]
+        cdroms = 0  # one per AHCI port of the q35 chipset (ide.0 ... ide.5)
         for index, (path, kind) in enumerate(self.drives):
             if kind == "disk":
                 argv += ["-drive", f"file={path},if=virtio,format=qcow2,cache=unsafe"]
@@ -143,8 +144,9 @@ class Vm:
             elif kind == "cdrom":
                 argv += [
                     "-drive", f"file={path},if=none,id=cd{index},media=cdrom,readonly=on",
-                    "-device", f"ide-cd,drive=cd{index}",
+                    "-device", f"ide-cd,drive=cd{index},bus=ide.{cdroms}",
                 ]  # fmt: skip
+                cdroms += 1
             else:
                 raise ValueError(f"unknown drive kind {kind}")
         return argv

@@ -22,7 +22,7 @@ import yaml
 
 from fixtures.installer.aptrepo import make_flat_repo
 from fixtures.installer.proc import run
-from fixtures.installer.seed import make_seed
+from fixtures.installer.seed import make_seed, make_staging_medium
 from tests.fixture_installer.conftest import BootFiles, new_disk
 from tests.fixture_installer.qemu import GUEST_SERVICE, Listener, Vm, one_vm
 
@@ -54,6 +54,7 @@ echo "NODETRUST-FIRSTBOOT multi-user=$(systemctl is-active multi-user.target) sy
   "failed=[$failed] cloud-init-errors=$errors boot-finished=$finished disabled-after=$disabled" \\
   "late=$(cat /etc/nodetrust-late-marker) in-target=$(cat /etc/nodetrust-in-target)" \\
   "staged=$(cat /etc/nodetrust-staged.txt) hello=$(cat /usr/share/nodetrust-fixture-hello/hello.txt)" \\
+  "staged-pkg=$(cat /usr/share/nodetrust-fixture-staged/hello.txt)" \\
   "autoinstall-mode=$(stat -c %a /var/log/installer/autoinstall-user-data)" \\
   "user=$(id -un 1000) hostname=$(hostname) cmdline=[$(cat /proc/cmdline)]" > /dev/ttyS0
 systemctl poweroff
@@ -108,46 +109,58 @@ def check_event_stream(events: list[dict[str, Any]]) -> None:
     assert not stack, f"starts without a finish: {stack}"
 
 
-def hello_repo(workdir: Path) -> dict[str, bytes]:
-    """A one-package flat apt repository, served at /repo/ by the listener."""
-    root = workdir / "hello-pkg"
+def build_deb(workdir: Path, name: str, text: str, out_dir: Path) -> Path:
+    """A tiny arch-all package installing /usr/share/<name>/hello.txt."""
+    root = workdir / f"{name}-pkg"
     (root / "DEBIAN").mkdir(parents=True)
-    (root / "usr/share/nodetrust-fixture-hello").mkdir(parents=True)
-    (root / "usr/share/nodetrust-fixture-hello/hello.txt").write_text("hello-from-http-repo\n")
+    (root / f"usr/share/{name}").mkdir(parents=True)
+    (root / f"usr/share/{name}/hello.txt").write_text(text + "\n")
     (root / "DEBIAN/control").write_text(
-        "Package: nodetrust-fixture-hello\nVersion: 1.0\nArchitecture: all\n"
+        f"Package: {name}\nVersion: 1.0\nArchitecture: all\n"
         "Maintainer: nodetrust tests <tests@nodetrust.invalid>\n"
-        "Description: a package the fixture installer test installs from an http apt source\n"
+        "Description: a package the fixture installer test installs\n"
     )
-    repo = workdir / "repo"
-    repo.mkdir()
-    run(
-        [
-            "dpkg-deb",
-            "--root-owner-group",
-            "--build",
-            str(root),
-            str(repo / "nodetrust-fixture-hello_1.0_all.deb"),
-        ]
-    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deb = out_dir / f"{name}_1.0_all.deb"
+    run(["dpkg-deb", "--root-owner-group", "--build", str(root), str(deb)])
+    return deb
+
+
+def http_repo(workdir: Path) -> dict[str, bytes]:
+    """A one-package flat apt repository, served at /repo/ by the listener (for ``packages``)."""
+    repo = workdir / "http-repo"
+    build_deb(workdir, "nodetrust-fixture-hello", "hello-from-http-repo", repo)
     make_flat_repo(repo)
     return {f"/repo/{p.name}": p.read_bytes() for p in repo.iterdir()}
 
 
 def staging_medium(workdir: Path) -> Path:
-    """A vfat disk labelled NTSTAGE holding one file (the staging-medium convention)."""
-    image = workdir / "ntstage.img"
-    payload = workdir / "payload.txt"
-    payload.write_text("staged-from-ntstage\n")
-    run(["mkfs.vfat", "-C", "-n", "NTSTAGE", str(image), "4096"])
-    run(["mcopy", "-i", str(image), str(payload), "::/payload.txt"])
-    return image
+    """The staging-medium convention: ISO 9660 labelled NTSTAGE with repo/ and files/."""
+    tree = workdir / "ntstage"
+    build_deb(workdir, "nodetrust-fixture-staged", "staged-from-ntstage-repo", tree / "repo")
+    make_flat_repo(tree / "repo")
+    (tree / "files").mkdir()
+    (tree / "files/payload.txt").write_text("staged-from-ntstage\n")
+    return make_staging_medium(tree, workdir / "ntstage.iso")
+
+
+# What a builder's late-commands do with the staging medium (works the same on Ubuntu).
+STAGING_LATE_COMMANDS: list[str | list[str]] = [
+    "mkdir -p /target/media/ntstage && mount -o ro /dev/disk/by-label/NTSTAGE /target/media/ntstage",
+    "echo 'deb [trusted=yes] file:/media/ntstage/repo ./' > /target/etc/apt/sources.list.d/ntstage.list",
+    "curtin in-target --target=/target -- apt-get update -o Dir::Etc::sourcelist=sources.list.d/ntstage.list"
+    " -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0",
+    "curtin in-target --target=/target -- env DEBIAN_FRONTEND=noninteractive"
+    " apt-get install -y --no-install-recommends nodetrust-fixture-staged",
+    "cp /target/media/ntstage/files/payload.txt /target/etc/nodetrust-staged.txt",
+    "rm /target/etc/apt/sources.list.d/ntstage.list && umount /target/media/ntstage",
+]
 
 
 def test_autoinstall_installs_a_bootable_node(
     boot_files: BootFiles, listener: Listener, tmp_path: Path
 ) -> None:
-    listener.files.update(hello_repo(tmp_path))
+    listener.files.update(http_repo(tmp_path))
     config = base_autoinstall(
         **{
             "early-commands": ["systemctl stop ssh", "echo early-commands-ran"],
@@ -163,8 +176,7 @@ def test_autoinstall_installs_a_bootable_node(
             "late-commands": [
                 "echo late-marker > /target/etc/nodetrust-late-marker",
                 "curtin in-target --target=/target -- sh -c 'echo in-target-ok > /etc/nodetrust-in-target'",
-                "mkdir -p /run/ntstage && mount -o ro /dev/disk/by-label/NTSTAGE /run/ntstage"
-                " && cp /run/ntstage/payload.txt /target/etc/nodetrust-staged.txt && umount /run/ntstage",
+                *STAGING_LATE_COMMANDS,
                 f"cat > /target/usr/local/sbin/nodetrust-firstboot-check <<'EOF'\n{FIRSTBOOT_SCRIPT}EOF\n",
                 f"cat > /target/etc/systemd/system/nodetrust-firstboot-check.service <<'EOF'\n{FIRSTBOOT_UNIT}EOF\n",
                 [
@@ -189,7 +201,7 @@ def test_autoinstall_installs_a_bootable_node(
             (disk, "disk"),
             (boot_files.iso, "cdrom"),
             (seed, "seed"),
-            (staging_medium(tmp_path), "seed"),
+            (staging_medium(tmp_path), "cdrom"),
         ],
         kernel=boot_files.kernel,
         initrd=boot_files.initrd,
@@ -247,6 +259,7 @@ def test_autoinstall_installs_a_bootable_node(
         "in-target=in-target-ok",
         "staged=staged-from-ntstage",
         "hello=hello-from-http-repo",
+        "staged-pkg=staged-from-ntstage-repo",
         "autoinstall-mode=400",
         "user=ubuntu",
         "hostname=node0",
