@@ -94,6 +94,7 @@ class Prepared:
     csr: bytes
     ek_der: bytes  # EK private key (PKCS#8 DER), to answer the challenge
     ak_name: bytes
+    svid_key_pem: bytes = b""  # the CSR's private key, for the mutual TLS of the join benchmark
 
 
 def prepare(n: int) -> tuple[bytes, list[Prepared]]:
@@ -104,7 +105,7 @@ def prepare(n: int) -> tuple[bytes, list[Prepared]]:
     from protocol.tpm_payload import encode_attestation_data
     from tests.support.simtpm import SimCa, SimulatedTpm
 
-    path = CACHE / f"agents-{n}.pickle"
+    path = CACHE / f"agents-v2-{n}.pickle"
     if path.exists():
         with path.open("rb") as fh:
             ca_pem, rows = pickle.load(fh)  # noqa: S301 - our own cache file
@@ -117,21 +118,27 @@ def prepare(n: int) -> tuple[bytes, list[Prepared]]:
         der = ek.private_bytes(
             serialization.Encoding.DER, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
+        key = new_key()
+        key_pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         out.append(
             Prepared(
-                encode_attestation_data(sim.attestation_data()), make_csr(new_key()), der, sim.ak_name()
+                encode_attestation_data(sim.attestation_data()), make_csr(key), der, sim.ak_name(), key_pem
             )
         )
         if (i + 1) % 1000 == 0:
             print(f"  prepared {i + 1}/{n} agents", file=sys.stderr, flush=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as fh:
-        pickle.dump((ca.pem(), [(a.payload, a.csr, a.ek_der, a.ak_name) for a in out]), fh)
+        pickle.dump((ca.pem(), [(a.payload, a.csr, a.ek_der, a.ak_name, a.svid_key_pem) for a in out]), fh)
     return ca.pem(), out
 
 
 # -- the storm (client processes) ----------------------------------------------------
-async def _one(host: str, port: int, bundle: bytes, agent: Prepared) -> tuple[float, str]:
+async def _one(
+    host: str, port: int, bundle: bytes, agent: Prepared, chain: list[bytes] | None = None
+) -> tuple[float, str]:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
     from grpclib.client import Channel
@@ -168,6 +175,8 @@ async def _one(host: str, port: int, bundle: bytes, agent: Prepared) -> tuple[fl
             )
             result = await stream.recv_message()
             ok = result is not None and result.WhichOneof("step") == "result"
+            if ok and chain is not None and result is not None:
+                chain.extend(result.result.svid.cert_chain)
             return time.monotonic() - start, "ok" if ok else "no result"
     except GRPCError as exc:
         return time.monotonic() - start, f"{exc.status.name}: {exc.message}"

@@ -44,6 +44,7 @@ from server.errors import (
     ServerError,
     StoreError,
     TokenBackendError,
+    TokenConflictError,
     UnauthenticatedError,
 )
 from server.metrics import Metrics
@@ -211,6 +212,13 @@ class JoinService(join_pb2_grpc.JoinServicer):
 
     def _mint(self, agent_id: str, pool: Pool, node_name: str, now: int) -> BootstrapToken:
         """Create the node's one live token (runs in a worker thread, under the node lock)."""
+        try:
+            return self._mint_once(agent_id, pool, node_name, now)
+        except TokenConflictError:
+            # A 6-character token id collided with an existing one: draw again, once.
+            return self._mint_once(agent_id, pool, node_name, now)
+
+    def _mint_once(self, agent_id: str, pool: Pool, node_name: str, now: int) -> BootstrapToken:
         token = new_token(
             ttl_s=int(self.settings.token_ttl.total_seconds()),
             now=now,

@@ -11,7 +11,9 @@ from agent.config import SETTINGS, AgentConfig, load_config, parse_cmdline
 from agent.errors import ConfigError
 
 
-def _layout(tmp_path: Path, main: str = "", drop_ins: dict[str, str] | None = None, cmdline: str = "") -> tuple[Path, Path]:
+def _layout(
+    tmp_path: Path, main: str = "", drop_ins: dict[str, str] | None = None, cmdline: str = ""
+) -> tuple[Path, Path]:
     conf = tmp_path / "etc"
     conf.mkdir()
     if main:
@@ -32,9 +34,18 @@ def test_settings_table_matches_the_dataclass() -> None:
 def test_precedence(tmp_path: Path) -> None:
     conf, cmd = _layout(
         tmp_path,
-        main="server: file.example:8081\npool: from-file\ntrust_domain: file.example\nnode_name: file-node\ntcti: 'swtpm:port=1'\n",
-        drop_ins={"10-a.yaml": "pool: from-dropin-a\n", "20-b.yaml": "pool: from-dropin-b\ntrust_domain: dropin.example\n"},
-        cmdline="BOOT_IMAGE=/vmlinuz ro nodeagent.pool=from-cmdline nodeagent.server=10.0.0.5:8081 nodeagent.node-name=cmd-node quiet",
+        main=(
+            "server: file.example:8081\npool: from-file\ntrust_domain: file.example\n"
+            "node_name: file-node\ntcti: 'swtpm:port=1'\n"
+        ),
+        drop_ins={
+            "10-a.yaml": "pool: from-dropin-a\n",
+            "20-b.yaml": "pool: from-dropin-b\ntrust_domain: dropin.example\n",
+        },
+        cmdline=(
+            "BOOT_IMAGE=/vmlinuz ro nodeagent.pool=from-cmdline nodeagent.server=10.0.0.5:8081 "
+            "nodeagent.node-name=cmd-node quiet"
+        ),
     )
     env = {"NODEAGENT_NODE_NAME": "env-node", "NODEAGENT_TCTI": "swtpm:port=2", "OTHER": "x"}
     cfg, origin = load_config(config_dir=conf, cmdline_path=cmd, env=env, overrides={"tcti": "swtpm:port=3"})

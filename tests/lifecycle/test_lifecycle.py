@@ -33,7 +33,9 @@ class Node:
     kubeadm: Path
     record: Path
 
-    def run(self, *args: str, fault: str = "", extra_env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, fault: str = "", extra_env: dict[str, str] | None = None, timeout: float = 180
+    ) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NODEAGENT_")}
         env.update(
             NODEAGENT_SERVER=self.env.srv.address,
@@ -102,12 +104,16 @@ def test_power_on_to_joined_and_never_again(node: Node) -> None:
     assert "joined as worker-1" in first.stdout
     calls = node.kubeadm_calls()
     assert len(calls) == 1
-    assert not (node.dir / "run" / "kubeadm-join.yaml").exists(), "the JoinConfiguration must be removed after use"
+    assert not (node.dir / "run" / "kubeadm-join.yaml").exists(), (
+        "the JoinConfiguration must be removed after use"
+    )
     assert (node.dir / "state" / "joined").exists()
     status = node.run("status")
     assert "step: joined" in status.stdout
     again = node.run("run")
-    assert again.returncode == 0 and len(node.kubeadm_calls()) == 1, "a completed join must never be repeated"
+    assert again.returncode == 0 and len(node.kubeadm_calls()) == 1, (
+        "a completed join must never be repeated"
+    )
 
 
 @pytest.mark.parametrize("step", ["preflight", "attest", "verify", "join_request", "kubeadm_join"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,9 @@ def cluster_ca(path: Path) -> str:
         .sign(key, hashes.SHA256())
     )
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    spki = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    spki = key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return "sha256:" + hashlib.sha256(spki).hexdigest()
 
 
@@ -61,7 +64,9 @@ class JoinEnv:
         return f"127.0.0.1:{self.srv.app.ports.join}"
 
 
-def join_config(base: Path, ek_ca: SimCa, *, pools: dict[str, Any] | None = None, **overrides: Any) -> tuple[dict[str, Any], str]:
+def join_config(
+    base: Path, ek_ca: SimCa, *, pools: dict[str, Any] | None = None, **overrides: Any
+) -> tuple[dict[str, Any], str]:
     (base / "ek-ca").mkdir(parents=True, exist_ok=True)
     (base / "ek-ca" / "sim.pem").write_bytes(ek_ca.pem())
     ca_hash = cluster_ca(base / "cluster-ca.pem")
@@ -103,29 +108,41 @@ class SimAgent:
 
 def attest_sim(srv: ServerThread, sim: SimulatedTpm, out: Path) -> SimAgent:
     """Attest a simulated TPM and keep its SVID and key as files (like the agent's state dir)."""
+    return attest_sim_at(srv.address, srv.bundle, sim, out)
+
+
+def attest_sim_at(address: str, bundle: bytes, sim: SimulatedTpm, out: Path) -> SimAgent:
     key = new_key()
 
     async def script(stream: Any) -> Any:
         await stream.send_message(params(encode_attestation_data(sim.attestation_data()), make_csr(key)))
         challenge = await stream.recv_message()
         secret = sim.activate(decode_challenge(challenge.challenge))
-        await stream.send_message(agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(secret)), end=True)
+        await stream.send_message(
+            agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(secret)), end=True
+        )
         return await stream.recv_message()
 
-    result = run_stream(srv.address, srv.bundle, script)
+    result = run_stream(address, bundle, script)
     out.mkdir(parents=True, exist_ok=True)
     chain = b"".join(
-        x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM) for der in result.result.svid.cert_chain
+        x509.load_der_x509_certificate(der).public_bytes(serialization.Encoding.PEM)
+        for der in result.result.svid.cert_chain
     )
     (out / "svid.pem").write_bytes(chain)
     (out / "svid.key").write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
     )
     (out / "svid.key").chmod(0o600)
     svid = result.result.svid
-    return SimAgent(sim, out / "svid.pem", out / "svid.key", f"spiffe://{svid.id.trust_domain}{svid.id.path}")
+    return SimAgent(
+        sim, out / "svid.pem", out / "svid.key", f"spiffe://{svid.id.trust_domain}{svid.id.path}"
+    )
 
 
+@functools.lru_cache(maxsize=1)
 def cpu_report() -> bytes:
     """A real verification report of this machine under the CPU test pool (it passes)."""
     from agent.checks import run_checks
@@ -137,16 +154,36 @@ def cpu_report() -> bytes:
     return canonical_json(report)
 
 
-def join(env: JoinEnv, agent: SimAgent, *, pool: str = "cpu", node_name: str = "node-1", report: bytes | None = None) -> JoinGrant:
+def join(
+    env: JoinEnv,
+    agent: SimAgent,
+    *,
+    pool: str = "cpu",
+    node_name: str = "node-1",
+    report: bytes | None = None,
+) -> JoinGrant:
+    return join_at(env.join_address, env.srv.bundle, agent, pool=pool, node_name=node_name, report=report)
+
+
+def join_at(
+    address: str,
+    bundle: bytes,
+    agent: SimAgent,
+    *,
+    pool: str = "cpu",
+    node_name: str = "node-1",
+    report: bytes | None = None,
+) -> JoinGrant:
     return asyncio.run(
         request_join_async(
-            env.join_address,
+            address,
             trust_domain="example.org",
-            bundle_pem=env.srv.bundle,
+            bundle_pem=bundle,
             svid_cert=agent.cert,
             svid_key=agent.key,
             pool=pool,
             node_name=node_name,
             report=report if report is not None else cpu_report(),
+            timeout=30,
         )
     )
