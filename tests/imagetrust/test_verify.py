@@ -345,3 +345,78 @@ def test_the_signed_statement_must_cover_every_file(build: Path, keys: KeyFiles)
         json.dumps(sign_envelope(IN_TOTO_PAYLOAD_TYPE, payload, load_private_key(key)))
     )
     assert _fails(build, pub).message == f"{SIGNATURE}: the signed statement does not cover console.log"
+
+
+# --- hostile or broken metadata ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["../escape", "sub/dir.txt", ".", "a\\b"])
+def test_sha256sums_may_name_only_plain_files_of_the_folder(build: Path, keys: KeyFiles, name: str) -> None:
+    with (build / "SHA256SUMS").open("a") as fh:
+        fh.write(f"{'0' * 64}  {name}\n")
+    error = _fails(build, keys[1])
+    assert error.message == (
+        f"SHA256SUMS: line 6 names {name!r}, which is not a plain file name of this folder"
+    )
+
+
+def test_sha256sums_may_not_list_the_signature(build: Path, keys: KeyFiles) -> None:
+    with (build / "SHA256SUMS").open("a") as fh:
+        fh.write(f"{file_sha256(build / SIGNATURE)}  {SIGNATURE}\n")
+    assert _fails(build, keys[1]).message == f"SHA256SUMS: lists {SIGNATURE}, which it must not cover"
+
+
+def test_a_broken_manifest_behind_a_consistent_sha256sums(build: Path, keys: KeyFiles) -> None:
+    (build / "manifest.json").write_text("[]\n")
+    _rewrite_sums(build)
+    assert _fails(build, keys[1]).message == "manifest.json: is not a JSON object"
+    manifest_text = json.dumps({"build_id": "../x"})
+    (build / "manifest.json").write_text(manifest_text)
+    _rewrite_sums(build)
+    assert _fails(build, keys[1]).message == (
+        "manifest.json: build_id may hold only letters, digits, '.', '_' and '-'"
+    )
+
+
+def test_a_size_that_does_not_match_the_manifest(build: Path, keys: KeyFiles) -> None:
+    manifest = _manifest(build)
+    log = next(o for o in manifest["outputs"] if o["name"] == "console.log")
+    real = log["size"]
+    log["size"] = real + 1
+    write_manifest(build, manifest)
+    _rewrite_sums(build)
+    assert _fails(build, keys[1]).message == (
+        f"console.log: size mismatch (manifest.json says {real + 1} bytes, file is {real} bytes)"
+    )
+
+
+def test_an_sbom_without_a_described_root(build: Path, keys: KeyFiles) -> None:
+    sbom = json.loads((build / "sbom.spdx.json").read_text())
+    sbom["relationships"] = [r for r in sbom["relationships"] if r["relationshipType"] != "DESCRIBES"]
+    (build / "sbom.spdx.json").write_text(json.dumps(sbom))
+    _rewrite_sums(build)
+    assert (
+        _fails(build, keys[1]).message
+        == "sbom.spdx.json: no single package is DESCRIBED by SPDXRef-DOCUMENT"
+    )
+
+
+def test_provenance_of_another_build(build: Path, keys: KeyFiles) -> None:
+    provenance = json.loads((build / "provenance.intoto.json").read_text())
+    provenance["predicate"]["runDetails"]["metadata"]["invocationId"] = "some-other-build"
+    (build / "provenance.intoto.json").write_text(json.dumps(provenance))
+    _rewrite_sums(build)
+    assert _fails(build, keys[1]).message == (
+        f"provenance.intoto.json: invocationId 'some-other-build' is not the manifest's build_id '{BUILD_ID}'"
+    )
+
+
+def test_a_provenance_byproduct_that_does_not_match(build: Path, keys: KeyFiles) -> None:
+    provenance = json.loads((build / "provenance.intoto.json").read_text())
+    provenance["predicate"]["runDetails"]["byproducts"][0]["digest"]["sha256"] = "0" * 64
+    (build / "provenance.intoto.json").write_text(json.dumps(provenance))
+    _rewrite_sums(build)
+    assert _fails(build, keys[1]).message == (
+        f"provenance.intoto.json: byproduct console.log sha256 {'0' * 64} does not equal the file's "
+        f"{file_sha256(build / 'console.log')}"
+    )
