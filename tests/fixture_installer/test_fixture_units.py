@@ -70,12 +70,14 @@ def test_cloud_config_needs_header_and_autoinstall_key() -> None:
 def test_validate() -> None:
     base: dict[str, Any] = {"version": 1, "identity": {"username": "u", "password": "x"}}
     assert validate(base) == []
+    assert validate({"version": 1, "user-data": {"users": []}}) == []
     warnings = validate({**base, "frobnicate": True, "snaps": []})
     assert any("unknown autoinstall key 'frobnicate'" in w for w in warnings)
     assert any("'snaps'" in w for w in warnings)
     bad: list[Mapping[str, Any]] = [
         {},
         {"version": 2},
+        {"version": 1},
         {**base, "late-commands": "echo not a list"},
         {**base, "storage": {"config": []}},
         {**base, "shutdown": "halt"},
