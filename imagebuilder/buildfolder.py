@@ -128,7 +128,7 @@ def parse_sha256sums(data: bytes) -> dict[str, str]:
     if text and not text.endswith("\n"):
         raise ValueError("the last line does not end with a newline")
     sums: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), start=1):
+    for number, line in enumerate(text.split("\n")[:-1], start=1):  # exactly '\n', as coreutils reads it
         match = _SUMS_LINE.fullmatch(line)
         if match is None:
             raise ValueError(f"line {number} is not '<lower-case hex sha256>  <file name>'")
@@ -143,15 +143,15 @@ def parse_sha256sums(data: bytes) -> dict[str, str]:
     return sums
 
 
+_JSON_KIND = {str: "string", dict: "object", list: "array", int: "integer"}
+
+
 def _need(obj: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
     value = obj.get(key)
     if not isinstance(value, kind) or (kind is str and not value):
         article = "a non-empty string" if kind is str else f"a JSON {_JSON_KIND[kind]}"
         raise ValueError(f"{where}{key} must be {article}")
     return value
-
-
-_JSON_KIND = {str: "string", dict: "object", list: "array", int: "integer"}
 
 
 def _need_digest(obj: Mapping[str, Any], key: str, where: str) -> str:

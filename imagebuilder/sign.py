@@ -43,6 +43,7 @@ from imagebuilder.buildfolder import (
     write_atomic,
 )
 from imagebuilder.errors import KeyFileError, OutputError, VerificationError
+from imagebuilder.provenance import STATEMENT_TYPE
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
 KEY_KINDS = ("ecdsa-p256", "ed25519")
 PASSPHRASE_ENV = "IMAGEBUILDER_KEY_PASSPHRASE"  # noqa: S105 (the variable's name, not a secret)
 IN_TOTO_PAYLOAD_TYPE = "application/vnd.in-toto+json"
-STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 ATTESTATION_TYPE = "https://nodetrust.dev/image-attestation/v1"
 
 
