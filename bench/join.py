@@ -156,7 +156,26 @@ def main() -> int:
     parser.add_argument(
         "--store", default="", help="store DSN (default: SQLite); postgresql://... for PostgreSQL"
     )
+    parser.add_argument(
+        "--postgres",
+        action="store_true",
+        help="start a throw-away PostgreSQL (Debian packages) and use it as the store",
+    )
     args = parser.parse_args()
+    if args.postgres:
+        from tests.store.helpers import make_cluster
+
+        cluster = make_cluster("nodetrust-bench-pg")
+        cluster.start()
+        try:
+            args.store = cluster.dsn(cluster.create_database())
+            return _run(args)
+        finally:
+            cluster.destroy()
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
 
     from agent.checks import run_checks
     from protocol.policy import policy_from_mapping

@@ -1,9 +1,15 @@
 """``make demo``: the chain end to end on loopback, printing each step.
 
-1. a fresh trust domain: ``nodeserver`` with a new CA, trusting a local EK CA;
-2. a TPM: swtpm, manufactured with an EK certificate from that EK CA;
+1. a TPM: swtpm, manufactured with an EK certificate from a local EK CA;
+2. a fresh trust domain: ``nodeserver`` with a new CA, trusting that EK CA, with a CPU node
+   pool, a stand-in cluster CA and the ``file`` bootstrap-token backend;
 3. ``nodeagent attest`` proves the TPM to the server and gets its X509-SVID;
-4. the server's audit line for that attestation.
+4. ``nodeagent check`` runs the GPU and node checks against the CPU pool;
+5. ``nodeagent run`` verifies, asks the join broker for credentials over mutual TLS and runs
+   ``kubeadm join`` (the kubeadm TEST DOUBLE: no cluster can run here), which prints the
+   JoinConfiguration it received;
+6. the token as the file backend wrote it (the Secret manifest an operator would apply),
+   and the server's audit lines.
 
 Everything runs from a temporary folder and is stopped and removed at the end,
 even on failure or Ctrl-C.
@@ -37,7 +43,7 @@ def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
 
 
 @contextlib.contextmanager
-def nodeserver(config: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
+def nodeserver(config: Path) -> Iterator[tuple[subprocess.Popen[str], int, int]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "run", "--config", str(config)],
         cwd=ROOT,
@@ -46,7 +52,7 @@ def nodeserver(config: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
         text=True,
     )
     try:
-        port = 0
+        port = join_port = 0
         deadline = time.monotonic() + 60
         if proc.stdout is None:
             raise SystemExit("nodeserver has no stdout pipe")
@@ -57,10 +63,12 @@ def nodeserver(config: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
             if line.startswith("nodeserver: serving"):
                 print("  " + line.strip())
                 port = int(line.split(" on port ")[1].split(",")[0])
+                if "join on " in line:
+                    join_port = int(line.split("join on ")[1].split(",")[0])
                 break
         if port == 0:
             raise SystemExit(f"nodeserver did not start (exit {proc.poll()})")
-        yield proc, port
+        yield proc, port, join_port
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -96,8 +104,11 @@ def main() -> int:
         tpm = Swtpm(work / "tpm").start()
         print(f"  swtpm listening, TCTI {tpm.tcti}")
 
-        step(2, f"The server: a fresh trust domain {TRUST_DOMAIN}, trusting that EK CA")
+        step(2, f"The server: a fresh trust domain {TRUST_DOMAIN}, trusting that EK CA, with a CPU pool")
         ca.install_into(work / "server" / "ek-ca")
+        from tests.support.joinenv import cluster_ca
+
+        cluster_ca(work / "server" / "cluster-ca.pem")
         config = work / "server" / "config.yaml"
         config.write_text(
             json.dumps(
@@ -105,13 +116,22 @@ def main() -> int:
                     "trust_domain": TRUST_DOMAIN,
                     "data_dir": str(work / "server" / "data"),
                     "listen": "127.0.0.1:0",
+                    "join_listen": "127.0.0.1:0",
                     "metrics_listen": "off",
                     "ek_trust": {"ca_dir": str(work / "server" / "ek-ca")},
+                    "cluster": {
+                        "api_server_endpoint": "192.0.2.10:6443",
+                        "ca_cert": str(work / "server" / "cluster-ca.pem"),
+                        "kubernetes_version": "v1.36.3",
+                    },
+                    "join": {"token_ttl": "15m"},
+                    "token_backend": {"type": "file", "directory": str(work / "server" / "tokens")},
+                    "pools": {"cpu": {"profile": {"preset": "cpu", "checks": {"warn": ["node.*"]}}}},
                 },
                 indent=2,
             )
         )
-        with nodeserver(config) as (_server, port):
+        with nodeserver(config) as (_server, port, join_port):
             bundle = run([sys.executable, "-m", "server.cli", "bundle", "--config", str(config)])
             if bundle.returncode != 0:
                 print(bundle.stderr, file=sys.stderr)
@@ -134,12 +154,66 @@ def main() -> int:
             if attest.returncode != 0:
                 return attest.returncode
 
-            step(4, "The server's audit line for that attestation")
+            step(4, "The agent checks the GPUs and the node against the CPU pool")
+            pool = work / "pool.yaml"
+            pool.write_text("name: cpu\npreset: cpu\nchecks:\n  warn: ['node.*']\n")
+            check = run([sys.executable, "-m", "agent.cli", "check", "--pool", str(pool)])
+            print("  " + "\n  ".join(check.stdout.strip().splitlines()[-8:]))
+            if check.returncode != 0:
+                print(check.stderr, file=sys.stderr)
+                return check.returncode
+
+            step(5, "The agent asks for join credentials and runs kubeadm join (the kubeadm TEST DOUBLE)")
+            from tests.support.kubeadm_double import install_kubeadm_double
+
+            record = work / "kubeadm-calls.jsonl"
+            kubeadm = install_kubeadm_double(work / "bin", record)
+            env = {
+                **os.environ,
+                "NODEAGENT_SERVER": f"127.0.0.1:{port}",
+                "NODEAGENT_JOIN_SERVER": f"127.0.0.1:{join_port}",
+                "NODEAGENT_TRUST_DOMAIN": TRUST_DOMAIN,
+                "NODEAGENT_BUNDLE": str(work / "bundle.pem"),
+                "NODEAGENT_TCTI": tpm.tcti,
+                "NODEAGENT_POOL": "cpu",
+                "NODEAGENT_POOL_PROFILE": str(pool),
+                "NODEAGENT_NODE_NAME": "demo-node-1",
+                "NODEAGENT_STATE_DIR": str(work / "agent"),
+                "NODEAGENT_KUBEADM": str(kubeadm),
+                "NODEAGENT_JOIN_CONFIG": str(work / "run" / "kubeadm-join.yaml"),
+            }
+            joined = run(
+                [sys.executable, "-m", "agent.cli", "-v", "run", "--config-dir", str(work / "etc")], env=env
+            )
+            for line in (joined.stderr + joined.stdout).strip().splitlines():
+                print("  " + line)
+            if joined.returncode != 0:
+                return joined.returncode
+            calls = [json.loads(line) for line in record.read_text().splitlines()]
+            print("  the JoinConfiguration kubeadm received (the double redacts the token's secret half):")
+            import yaml
+
+            print(
+                "    "
+                + yaml.safe_dump(calls[-1]["config"], sort_keys=False).replace("\n", "\n    ").rstrip()
+            )
+            status = run(
+                [sys.executable, "-m", "agent.cli", "status", "--config-dir", str(work / "etc")], env=env
+            )
+            print("  " + status.stdout.strip().replace("\n", "\n  "))
+
+            step(6, "The token, as the file backend wrote it for an operator to apply, and the audit trail")
+            for manifest in sorted((work / "server" / "tokens").glob("*.yaml")):
+                print(f"  {manifest} (mode {oct(manifest.stat().st_mode & 0o777)}):")
+                print("    " + manifest.read_text().strip().replace("\n", "\n    "))
             audit = (work / "server" / "data" / "audit.jsonl").read_text().strip().splitlines()
-            print("  " + audit[-1])
-            if json.loads(audit[-1]).get("result") != "ok":
+            for line in audit:
+                print("  " + line)
+            if any(json.loads(line).get("result") != "ok" for line in audit):
                 return 1
-        print("\n\033[1mdemo: the node proved its TPM identity and holds an agent SVID.\033[0m")
+        print(
+            "\n\033[1mdemo: the node proved its TPM identity, passed its checks, and joined with a one-time token.\033[0m"
+        )
         return 0
     finally:
         if tpm is not None:
