@@ -42,6 +42,7 @@ demo: deps
 
 bench: deps
 	$(PY) bench/attest.py
+	$(PY) bench/join.py
 	$(PY) -m bench.store
 	$(PY) -m bench.check
 
