@@ -75,3 +75,29 @@ class FolderMismatch(VerificationError):
         super().__init__(f"{path}: {reason}", hint=hint)
         self.path = path
         self.reason = reason
+
+
+class CommandError(BuildError):
+    """A host command could not be started, timed out, or exited non-zero."""
+
+    exit_code = 10
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        argv: list[str],
+        returncode: int | None,
+        output: str = "",
+        hint: str = "",
+    ) -> None:
+        super().__init__(message, hint=hint)
+        self.argv = argv
+        self.returncode = returncode
+        self.output = output
+
+
+class ToolMissingError(BuildError):
+    """A host tool the builder needs is not installed; the hint names the package."""
+
+    exit_code = 11

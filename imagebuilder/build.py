@@ -1,0 +1,459 @@
+"""One image build, phase by phase, each timed.
+
+1. ``check``: the definition, and a lock made for exactly it;
+2. ``fetch``: every locked input from the cache (or its URLs), digest-checked: a tampered
+   payload stops the build here, before any VM exists;
+3. ``wheelhouse``: the agent wheel from this repository, checked against the lock's
+   requirements, plus the locked wheels; pip proves offline that the set installs;
+4. ``media``: kernel and initrd out of the ISO, the staging medium, the NoCloud seed;
+5. ``accelerator``: KVM if it works, else TCG;
+6. ``install``: the installer in a libvirt domain, watched (:mod:`imagebuilder.watch`);
+7. ``image``: the compacted QCOW2; then the manifest, the trust outputs and the atomic publish.
+
+Everything temporary lives in one work directory and the libvirt domain; both are removed
+on success, failure, Ctrl-C and SIGTERM. Nothing is published unless every phase passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import platform
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from imagebuilder import autoinstall, media, outputs, staging, wheelhouse
+from imagebuilder.accel import choose_accel
+from imagebuilder.cache import Cache
+from imagebuilder.definition import Definition, load_definition
+from imagebuilder.domain import DATA_PORT, DomainSpec, domain_xml, find_firmware, kernel_cmdline
+from imagebuilder.errors import BuildError, LockError
+from imagebuilder.lock import Lock, LockedInput, check_lock, default_lock_path, load_lock
+from imagebuilder.run import run, tool_version
+from imagebuilder.vm import DOMAIN_PREFIX, Connection, owner_metadata, remove_orphans
+from imagebuilder.watch import EventListener, Watcher
+
+log = logging.getLogger(__name__)
+
+BUILDER_ID = "https://nodetrust.dev/imagebuilder@v1"
+
+
+def _iso_time(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
+def builder_version() -> str:
+    try:
+        return importlib.metadata.version("nodetrust")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+@dataclass
+class BuildOptions:
+    definition: Path
+    out: Path
+    cache_dir: Path
+    lock: Path | None = None
+    work_root: Path | None = None
+    libvirt_uri: str = "qemu:///system"
+    accel: str = "auto"
+    key: Path | None = None
+    network: str | None = None
+    idle_limits: dict[str, int] = field(default_factory=dict)
+    keep_work: bool = False
+
+
+@dataclass
+class BuildResult:
+    build_id: str
+    folder: Path
+    manifest: dict[str, Any]
+
+
+class Phases:
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started_wall, started = time.time(), time.monotonic()
+        log.info("== %s", name)
+        try:
+            yield
+        finally:
+            duration = round(time.monotonic() - started, 1)
+            self.records.append(
+                {"name": name, "started_at": _iso_time(started_wall), "duration_s": duration}
+            )
+            log.info("== %s: %.1f s", name, duration)
+
+
+def new_build_id(name: str) -> str:
+    return f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+def _work_dir(opts: BuildOptions, build_id: str) -> Path:
+    root = opts.work_root or Path(os.environ.get("TMPDIR", "/var/tmp"))  # noqa: S108 - a private mkdtemp below
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"imagebuilder-{build_id}-", dir=root))
+    os.chmod(work, 0o755)  # noqa: S103 - QEMU (user libvirt-qemu under qemu:///system) must reach the files in it
+    return work
+
+
+class Build:
+    def __init__(self, opts: BuildOptions) -> None:
+        self.opts = opts
+        self.phases = Phases()
+        self.started = time.time()
+        self.defn: Definition = load_definition(opts.definition)
+        lock_path = opts.lock or default_lock_path(self.defn.path)
+        self.lock: Lock = load_lock(lock_path)
+        self.cache = Cache(opts.cache_dir)
+        self.build_id = new_build_id(self.defn.name)
+        self.watchdog = dataclasses.replace(self.defn.watchdog, **opts.idle_limits)
+        self.network = opts.network or self.defn.network
+        self.paths: dict[str, Path] = {}
+        self.extra_inputs: list[dict[str, Any]] = []
+
+    # -- phases ------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        check_lock(self.defn, self.lock)
+        log.info(
+            "build %s: %s, lock %s (%d inputs)",
+            self.build_id,
+            self.defn.path,
+            self.lock.path,
+            len(self.lock.inputs),
+        )
+
+    def fetch(self) -> list[staging.StagedFile]:
+        files = []
+        for item in self.lock.inputs:
+            if item.role == "compiled":
+                continue
+            fetched = self.cache.fetch(
+                item.name, [item.url, *item.mirrors], sha256=item.sha256, size=item.size
+            )
+            files.append(staging.StagedFile(item, fetched.path))
+        return files
+
+    def wheelhouse(self, work: Path, files: list[staging.StagedFile]) -> tuple[list[Path], str, str]:
+        defn = self.defn
+        wheel_dir = work / "wheels"
+        agent_wheel = wheelhouse.build_agent_wheel(defn.agent.source, wheel_dir)
+        name, version, all_requires = wheelhouse.wheel_metadata(agent_wheel)
+        requires = wheelhouse.requirements_for(all_requires, defn.agent.extras)
+        if tuple(requires) != self.lock.agent_requires:
+            changed = sorted(set(requires) ^ set(self.lock.agent_requires))
+            raise LockError(
+                f"the agent's requirements changed since the lock: {', '.join(changed)}",
+                hint=f"run `imagebuilder lock {defn.path}`",
+            )
+        self.extra_inputs.append(
+            {
+                "name": "nodeagent",
+                "kind": "wheel",
+                "version": version,
+                "url": defn.agent.source.as_uri(),
+                "sha256": outputs.sha256_file(agent_wheel),
+                "size": agent_wheel.stat().st_size,
+                "destination": defn.agent.venv,
+                "verified_by": "built from the repository by this build",
+            }
+        )
+        wheels = [agent_wheel]
+        for staged in files:
+            if staged.item.kind == "wheel" and staged.item.role == "wheelhouse":
+                dest = wheel_dir / staged.item.filename
+                staging.place(staged.path, dest)
+                wheels.append(dest)
+        for item in self.lock.by_role("compiled"):
+            wheels.append(self._compiled(item, wheel_dir))
+        pip_wheels = [w for w in wheels if w.name.startswith("pip-")]
+        if not pip_wheels:
+            raise LockError("the lock has no pip wheel", hint="agent.pip names the pip to install with")
+        extras = ",".join(defn.agent.extras)
+        requirement = f"{name}[{extras}]=={version}" if extras else f"{name}=={version}"
+        wheelhouse.pip_report(
+            [requirement, pip_wheels[0].name.split("-")[0]],
+            defn.target,
+            defn.architecture,
+            find_links=[wheel_dir],
+            no_index=True,
+        )
+        log.info("wheelhouse: %d wheels install offline for Python %s", len(wheels), defn.target.python)
+        return wheels, requirement, pip_wheels[0].name
+
+    def _compiled(self, item: LockedInput, wheel_dir: Path) -> Path:
+        dest = wheel_dir / item.filename
+        hit = self.cache.lookup(item.sha256, size=item.size)
+        if hit is not None:
+            staging.place(hit, dest)
+            return dest
+        log.warning(
+            "%s: the wheel compiled by `imagebuilder lock` is not in this cache; compiling it again "
+            "from the locked sdist (needs the package index for its build requirements)",
+            item.name,
+        )
+        sdist = self.lock.get(f"sdist/{item.name}")
+        path = self.cache.fetch(sdist.name, [sdist.url], sha256=sdist.sha256, size=sdist.size).path
+        wheelhouse.check_compile_host(self.defn.target, f"{item.name}=={item.version}")
+        built = wheelhouse.compile_sdist(path, wheel_dir / "compiled", filename=sdist.filename)
+        shutil.move(str(built), dest)
+        self.extra_inputs.append(
+            {
+                "name": item.name,
+                "kind": "wheel",
+                "version": item.version,
+                "url": f"sdist:sha256:{sdist.sha256}",
+                "sha256": outputs.sha256_file(dest),
+                "size": dest.stat().st_size,
+                "destination": self.defn.agent.venv,
+                "verified_by": "compiled by this build from the locked sdist",
+            }
+        )
+        return dest
+
+    def media(
+        self,
+        work: Path,
+        files: list[staging.StagedFile],
+        wheels: list[Path],
+        requirement: str,
+        pip_wheel: str,
+    ) -> None:
+        defn = self.defn
+        iso = next(f.path for f in files if f.item.key == "iso")
+        self.paths["iso"] = work / "installer.iso"
+        staging.place(iso, self.paths["iso"])
+        self.paths["kernel"], self.paths["initrd"] = work / "vmlinuz", work / "initrd"
+        media.extract(
+            self.paths["iso"],
+            {defn.installer.kernel: self.paths["kernel"], defn.installer.initrd: self.paths["initrd"]},
+        )
+        info: dict[str, object] = {
+            "build_id": self.build_id,
+            "name": defn.name,
+            "kubernetes": self._kubernetes(),
+            "agent": {"venv": defn.agent.venv, "requirement": requirement},
+            "artifacts": {
+                a.name: {"version": a.version, "destination": a.destination} for a in defn.artifacts
+            },
+        }
+        tree = work / "staging"
+        staging.build_tree(
+            tree,
+            defn,
+            files,
+            wheels=wheels,
+            pip_wheel=pip_wheel,
+            agent_requirement=requirement,
+            image_info=info,
+        )
+        self.paths["staging"] = media.make_iso(tree, work / "staging.iso", label=media.STAGING_LABEL)
+        shutil.rmtree(tree)
+        self.token = secrets.token_hex(16)
+        webhook = autoinstall.webhook_url(self.token) if self.network == "listener" else None
+        user_data = autoinstall.user_data(defn, webhook=webhook)
+        (work / "user-data").write_text(user_data, encoding="utf-8")
+        self.extra_inputs.append(
+            {
+                "name": "autoinstall-user-data",
+                "kind": "seed",
+                "version": "",
+                "url": "",
+                "sha256": outputs.sha256_file(work / "user-data"),
+                "size": (work / "user-data").stat().st_size,
+                "destination": "",
+                "verified_by": "rendered by this build from cloud-init/",
+            }
+        )
+        self.paths["seed"] = media.make_seed(
+            user_data, autoinstall.meta_data(self.build_id), work / "seed.iso"
+        )
+        for key in ("kernel", "initrd", "staging", "seed"):
+            self.paths[key].chmod(0o644)
+
+    def install(self, work: Path, accel: str) -> Any:
+        defn = self.defn
+        disk = work / "disk.qcow2"
+        run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), defn.disk_size])
+        loader = nvram_template = nvram = None
+        if defn.firmware == "uefi":
+            loader, nvram_template = find_firmware(defn.architecture)
+            nvram = work / "nvram.fd"
+        console, data = work / "console.log", work / "data.log"
+        self.paths["console"] = console
+        with contextlib.ExitStack() as stack:
+            listener = None
+            if self.network == "listener":
+                listener = EventListener(self.token)
+                stack.callback(listener.close)
+            conn = Connection(self.opts.libvirt_uri)
+            stack.callback(conn.close)
+            self.versions = conn.versions()
+            remove_orphans(conn)
+            spec = DomainSpec(
+                name=DOMAIN_PREFIX + self.build_id,
+                build_id=self.build_id,
+                arch=defn.architecture,
+                accel=accel,
+                memory_mib=defn.memory_mib,
+                cpus=defn.cpus,
+                kernel=self.paths["kernel"],
+                initrd=self.paths["initrd"],
+                cmdline=kernel_cmdline(defn.architecture, "ds=nocloud", defn.installer.kernel_args),
+                disk=disk,
+                cdrom=self.paths["iso"],
+                readonly_disks=(self.paths["seed"], self.paths["staging"]),
+                console_log=console,
+                data_log=data,
+                firmware=defn.firmware,
+                loader=loader,
+                nvram_template=nvram_template,
+                nvram=nvram,
+                listener_port=listener.port if listener is not None else None,
+                extra=owner_metadata(),
+            )
+            if DATA_PORT[defn.architecture] != autoinstall.DATA_PORT and defn.architecture == "amd64":
+                raise BuildError("the data port of the template and the domain disagree")
+            dom = stack.enter_context(conn.domain(domain_xml(spec)))
+            log.info("installing (console: %s)", console)
+            result = Watcher(dom, console, data, listener, self.watchdog).run()
+            self.events = result.events
+        self.paths["disk"] = disk
+        return result
+
+    def _kubernetes(self) -> dict[str, Any]:
+        kube = self.defn.kubernetes
+        if kube is None:
+            return {}
+        return {
+            "installed": kube.installed,
+            "staged": list(kube.staged),
+            "staged_paths": {v: kube.staged_dir(v) for v in kube.staged},
+        }
+
+    def manifest(
+        self, folder: Path, result: Any, image: dict[str, Any], accel: tuple[str, str]
+    ) -> dict[str, Any]:
+        defn = self.defn
+        inputs = [
+            {
+                "name": i.name,
+                "kind": i.kind,
+                "version": i.version,
+                "url": i.url,
+                "sha256": i.sha256,
+                "size": i.size,
+                "destination": i.destination,
+                "verified_by": i.verified_by,
+                "role": i.role,
+            }
+            for i in self.lock.inputs
+        ]
+        inputs.extend(self.extra_inputs)
+        image_path = folder / f"{defn.name}.qcow2"
+        outputs_list = [
+            outputs.file_entry(image_path, outputs.QCOW2_MEDIA_TYPE),
+            outputs.file_entry(folder / "console.log", "text/plain"),
+        ]
+        phases = list(self.phases.records)
+        phases += [
+            {"name": f"install/{p.name}", "started_at": _iso_time(p.started_at), "duration_s": p.duration_s}
+            for p in result.phases
+        ]
+        tools = {
+            "imagebuilder": builder_version(),
+            "python": platform.python_version(),
+            "qemu-img": tool_version("qemu-img").removeprefix("qemu-img version "),
+            "xorriso": tool_version("xorriso", "-version"),
+            **getattr(self, "versions", {}),
+        }
+        return {
+            "schema": outputs.MANIFEST_SCHEMA,
+            "build_id": self.build_id,
+            "name": defn.name,
+            "distro": defn.distro,
+            "architecture": defn.architecture,
+            "started_at": _iso_time(self.started),
+            "finished_at": _iso_time(time.time()),
+            "builder": {"id": BUILDER_ID, "version": builder_version(), "host": socket.gethostname()},
+            "definition": {
+                "path": str(self.opts.definition),
+                "sha256": defn.file_sha256,
+                "resolved_sha256": defn.resolved_sha256,
+            },
+            "lock": {"path": str(self.lock.path), "sha256": self.lock.file_sha256},
+            "inputs": sorted(inputs, key=lambda i: (i["kind"], i["name"], i.get("version", ""))),
+            "outputs": outputs_list,
+            "packages": sorted(result.packages, key=lambda p: (p["name"], p["architecture"])),
+            "kubernetes": {"installed": defn.kubernetes.installed, "staged": list(defn.kubernetes.staged)}
+            if defn.kubernetes
+            else {},
+            "artifacts": {
+                a.name: {"version": a.version, "destination": a.destination} for a in defn.artifacts
+            },
+            "agent": {"venv": defn.agent.venv, "config_dir": defn.agent.config_dir},
+            "phases": phases,
+            "tools": tools,
+            "installed_size": result.installed_size,
+            "image": image,
+            "accelerator": {"name": accel[0], "why": accel[1]},
+            "installer": {"events": result.events, "network": self.network},
+        }
+
+    # -- the whole build -------------------------------------------------------------------------
+
+    def run(self) -> BuildResult:
+        phase = self.phases.phase
+        with phase("check"):
+            self.check()
+        with contextlib.ExitStack() as stack:
+            work = _work_dir(self.opts, self.build_id)
+            if self.opts.keep_work:
+                log.info("work directory (kept): %s", work)
+            else:
+                stack.callback(shutil.rmtree, work, True)
+            with phase("fetch"):
+                files = self.fetch()
+            with phase("wheelhouse"):
+                wheels, requirement, pip_wheel = self.wheelhouse(work, files)
+            with phase("media"):
+                self.media(work, files, wheels, requirement, pip_wheel)
+            with phase("accelerator"):
+                accel = choose_accel(
+                    self.opts.accel, self.paths["kernel"], self.defn.architecture, self.cache.root
+                )
+                log.info("accelerator: %s (%s)", *accel)
+            with phase("install"):
+                result = self.install(work, accel[0])
+            partial = stack.enter_context(outputs.partial_folder(self.opts.out, self.build_id))
+            with phase("image"):
+                image = outputs.convert_image(
+                    self.paths["disk"], partial / f"{self.defn.name}.qcow2", compress=self.defn.compress
+                )
+                self.paths["disk"].unlink()
+            shutil.copyfile(self.paths["console"], partial / "console.log")
+            manifest = self.manifest(partial, result, image, accel)
+            outputs.write_json(partial / "manifest.json", manifest)
+            outputs.finish_folder(partial, key=self.opts.key)
+            folder = outputs.publish(partial, self.opts.out / self.build_id)
+        log.info("build %s done in %.0f s: %s", self.build_id, time.time() - self.started, folder)
+        return BuildResult(self.build_id, folder, manifest)
+
+
+def build(opts: BuildOptions) -> BuildResult:
+    return Build(opts).run()

@@ -1,0 +1,114 @@
+"""``imagebuilder build DEFINITION``: the installer under libvirt to a published, pinned QCOW2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from imagebuilder.build import BuildOptions, build
+from imagebuilder.cache import default_cache_dir
+from imagebuilder.errors import DefinitionError
+from imagebuilder.watch import PHASES
+
+log = logging.getLogger(__name__)
+
+
+def _idle_limit(value: str) -> tuple[str, int]:
+    phase, _, seconds = value.partition("=")
+    if phase not in (*PHASES, "total") or not seconds.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"expected PHASE=SECONDS with PHASE one of {', '.join(PHASES)}, total"
+        )
+    return phase, int(seconds)
+
+
+def register(subparsers: Any) -> None:
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "build",
+        help="build the image of a locked definition",
+        description=(
+            "Verify every locked input, boot the installer ISO's kernel under libvirt with autoinstall and a NoCloud "
+            "seed, stage the artifacts and the node agent from a staging medium, watch the install, and publish "
+            "<out>/<build-id>/ atomically: the compacted QCOW2, console.log, manifest.json, SHA256SUMS (and the "
+            "SBOM, provenance and signature when imagebuilder.trust is present)."
+        ),
+    )
+    parser.add_argument("definition", type=Path, help="definition YAML, locked by `imagebuilder lock`")
+    parser.add_argument(
+        "--lock", type=Path, default=None, help="lock file (default: <definition>.lock.json)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("out"), help="where build folders are published (default: out/)"
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help=f"download cache (default: {default_cache_dir()})"
+    )
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="where the temporary work directory goes "
+        "(default: $TMPDIR or /var/tmp; needs room for the disk)",
+    )
+    parser.add_argument(
+        "--libvirt-uri", default="qemu:///system", help="libvirt connection (default: qemu:///system)"
+    )
+    parser.add_argument(
+        "--accel",
+        choices=("auto", "kvm", "tcg"),
+        default="auto",
+        help="auto: KVM if a probe boot works, else TCG (default)",
+    )
+    parser.add_argument(
+        "--network",
+        choices=("listener", "none"),
+        default=None,
+        help="override the definition: user-mode network to the event listener only, or none",
+    )
+    parser.add_argument(
+        "--idle-limit",
+        type=_idle_limit,
+        action="append",
+        default=[],
+        metavar="PHASE=SECONDS",
+        help=f"override a watchdog idle limit ({', '.join(PHASES)}, total); repeatable",
+    )
+    parser.add_argument("--key", type=Path, default=None, help="sign the build folder with this private key")
+    parser.add_argument("--keep-work", action="store_true", help="keep the work directory (for debugging)")
+    parser.set_defaults(func=run)
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.verbose == 0:
+        logging.getLogger("imagebuilder").setLevel(logging.INFO)
+    if args.definition.suffix not in (".yaml", ".yml"):
+        raise DefinitionError(f"{args.definition}: expected a .yaml definition")
+    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM cleans up like Ctrl-C
+    try:
+        result = build(
+            BuildOptions(
+                definition=args.definition,
+                out=args.out,
+                cache_dir=args.cache_dir or default_cache_dir(),
+                lock=args.lock,
+                work_root=args.work_dir,
+                libvirt_uri=args.libvirt_uri,
+                accel=args.accel,
+                key=args.key,
+                network=args.network,
+                idle_limits=dict(args.idle_limit),
+                keep_work=args.keep_work,
+            )
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(result.folder)
+    return 0

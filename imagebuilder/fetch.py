@@ -1,0 +1,184 @@
+"""Downloads: HTTP(S) with ``Range`` resume, ``file://`` copies, and a progress display.
+
+:func:`download` appends to a partial file: when the partial already holds bytes, an
+HTTP request asks for the rest (``Range: bytes=N-``); a server that answers 200
+instead of 206 restarts the file. Digests are not checked here: :mod:`imagebuilder.cache`
+owns verification. Progress goes to stderr as a bar when stderr is a terminal, as a
+log line every 10 seconds otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import IO, BinaryIO, TextIO
+
+from imagebuilder.errors import FetchError
+
+log = logging.getLogger(__name__)
+
+USER_AGENT = "nodetrust-imagebuilder/0.1 (+https://nodetrust.dev)"
+CHUNK = 1 << 20
+LOG_EVERY_S = 10.0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+class Progress:
+    """A progress bar on a terminal, periodic log lines otherwise."""
+
+    def __init__(
+        self, name: str, total: int | None, *, start: int = 0, stream: TextIO | None = None
+    ) -> None:
+        self.name = name
+        self.total = total
+        self.done = start
+        self.started = time.monotonic()
+        self.start_bytes = start
+        self.stream = stream if stream is not None else sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last = 0.0 if self.tty else self.started
+
+    def update(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if self.tty and now - self._last >= 0.2:
+            self._last = now
+            self.stream.write("\r" + self._line(now))
+            self.stream.flush()
+        elif not self.tty and now - self._last >= LOG_EVERY_S:
+            self._last = now
+            log.info("%s", self._line(now))
+
+    def _line(self, now: float) -> str:
+        rate = (self.done - self.start_bytes) / max(now - self.started, 1e-3)
+        if self.total:
+            pct = 100.0 * self.done / self.total
+            width = 30
+            filled = int(width * min(pct, 100.0) / 100)
+            bar = "#" * filled + "-" * (width - filled)
+            return (
+                f"{self.name} [{bar}] {pct:5.1f}% {_human(self.done)}/{_human(self.total)} {_human(rate)}/s"
+            )
+        return f"{self.name} {_human(self.done)} {_human(rate)}/s"
+
+    def finish(self) -> None:
+        now = time.monotonic()
+        if self.tty:
+            self.stream.write("\r" + self._line(now) + "\n")
+            self.stream.flush()
+        elif now - self.started >= LOG_EVERY_S / 5:
+            log.info("%s (done)", self._line(now))
+        else:
+            log.debug("%s (done)", self._line(now))
+
+
+def _copy(source: BinaryIO | IO[bytes], sink: BinaryIO | IO[bytes], progress: Progress) -> None:
+    while chunk := source.read(CHUNK):
+        sink.write(chunk)
+        progress.update(len(chunk))
+
+
+def download(url: str, partial: Path, *, name: str, timeout: float = 60.0) -> None:
+    """Bring ``partial`` to the full content of ``url``, resuming from its current size."""
+    scheme = urllib.parse.urlsplit(url).scheme
+    if scheme == "file":
+        _download_file(url, partial, name=name)
+    elif scheme in ("http", "https"):
+        _download_http(url, partial, name=name, timeout=timeout)
+    else:
+        raise FetchError(f"{name}: unsupported URL scheme in {url}", hint="use http://, https:// or file://")
+
+
+def _download_file(url: str, partial: Path, *, name: str) -> None:
+    source = Path(urllib.request.url2pathname(urllib.parse.urlsplit(url).path))
+    try:
+        total = source.stat().st_size
+        have = partial.stat().st_size if partial.exists() else 0
+        if have > total:
+            partial.unlink()
+            have = 0
+        with source.open("rb") as src, partial.open("ab") as dst:
+            src.seek(have)
+            progress = Progress(name, total, start=have)
+            _copy(src, dst, progress)
+            progress.finish()
+    except OSError as exc:
+        raise FetchError(f"{name}: cannot read {source}: {exc.strerror}") from exc
+
+
+def _download_http(url: str, partial: Path, *, name: str, timeout: float) -> None:
+    have = partial.stat().st_size if partial.exists() else 0
+    headers = {"User-Agent": USER_AGENT}
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    request = urllib.request.Request(url, headers=headers)  # noqa: S310 - scheme checked by download()
+    try:
+        response = urllib.request.urlopen(request, timeout=timeout)  # noqa: S310
+    except urllib.error.HTTPError as exc:
+        if exc.code == 416 and have:
+            # Range not satisfiable: the partial is already complete (or longer than the file)
+            log.debug("%s: server says the partial download (%d bytes) is complete", name, have)
+            return
+        raise FetchError(f"{name}: GET {url}: HTTP {exc.code} {exc.reason}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise FetchError(f"{name}: GET {url}: {reason}") from exc
+    with response:
+        status = response.status
+        length = response.headers.get("Content-Length")
+        if have and status == 206:
+            mode = "ab"
+            total = have + int(length) if length else None
+            log.info("%s: resuming at %s", name, _human(have))
+        else:
+            mode = "wb"
+            have = 0
+            total = int(length) if length else None
+        progress = Progress(name, total, start=have)
+        try:
+            with partial.open(mode) as dst:
+                _copy(response, dst, progress)
+        except (OSError, urllib.error.URLError) as exc:
+            raise FetchError(f"{name}: download from {url} broke off: {exc}") from exc
+        progress.finish()
+    if total is not None and partial.stat().st_size != total:
+        raise FetchError(
+            f"{name}: download from {url} ended at {partial.stat().st_size} of {total} bytes",
+            hint="run the command again: the download resumes where it stopped",
+        )
+
+
+def fetch_small(url: str, *, name: str, limit: int = 64 * 2**20, timeout: float = 60.0) -> bytes:
+    """Read a small document (checksum file, signature, apt index) into memory, uncached."""
+    scheme = urllib.parse.urlsplit(url).scheme
+    if scheme == "file":
+        path = Path(urllib.request.url2pathname(urllib.parse.urlsplit(url).path))
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise FetchError(f"{name}: cannot read {path}: {exc.strerror}") from exc
+    if scheme not in ("http", "https"):
+        raise FetchError(f"{name}: unsupported URL scheme in {url}")
+    request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})  # noqa: S310
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
+            data: bytes = response.read(limit + 1)
+    except urllib.error.HTTPError as exc:
+        raise FetchError(f"{name}: GET {url}: HTTP {exc.code} {exc.reason}") from exc
+    except (urllib.error.URLError, OSError) as exc:
+        raise FetchError(f"{name}: GET {url}: {getattr(exc, 'reason', exc)}") from exc
+    if len(data) > limit:
+        raise FetchError(f"{name}: {url} is larger than {_human(limit)}")
+    return data

@@ -1,0 +1,401 @@
+"""Fixture payloads for the image builder, served from a loopback HTTP server.
+
+Stand-ins (small, deterministic, with real SHA-256 pins) for what a node image stages:
+
+* Kubernetes: for each version, kubeadm, kubelet and kubectl debs built with dpkg-deb,
+  plus their dependencies cri-tools and kubernetes-cni, in flat apt repositories laid out
+  like pkgs.k8s.io (``/k8s/core:/stable:/v1.36/deb/{InRelease,Packages,amd64/*.deb}``),
+  ``InRelease`` clear-signed with the fixture test key;
+* SPIRE agent 1.14.1 and the TPM attestor plugin 1.9.0: tarballs with the checksum files
+  their projects publish (unsigned);
+* OVN-Kubernetes 2.4.2: a tarball with a ``SHA256SUMS`` and a detached OpenPGP signature.
+
+Every binary is a shell script that says it is a stand-in. The signing key is a test key
+(``tests/support/data/fixture-payload-signing.secret.asc``; its public half is
+``examples/keys/fixture-payload-signing.asc``): never trust it for anything else.
+
+:class:`PayloadServer` serves a payload tree with ``Range`` support and can tamper with,
+truncate or fail a path on demand (the tests' way to corrupt a download).
+
+    python -m tests.support.payload_server [--root DIR] [--port 8765]
+
+builds the tree (once) and serves it, for ``imagebuilder build examples/fixture-node.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import hashlib
+import io
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+SECRET_KEY = Path(__file__).resolve().parent / "data" / "fixture-payload-signing.secret.asc"
+PUBLIC_KEY = REPO / "examples" / "keys" / "fixture-payload-signing.asc"
+DEFAULT_ROOT = REPO / ".cache" / "imagebuilder-payloads"
+DEFAULT_PORT = 8765
+EPOCH = 1767225600  # 2026-01-01T00:00:00Z, every mtime in the payloads
+FORMAT = "3"  # bump when the payloads change
+
+KUBERNETES_VERSIONS = ("1.34.2", "1.35.3", "1.36.3", "1.37.2")
+DEB_REVISION = "1.1"
+KUBERNETES_CNI = "1.7.1"
+SPIRE_VERSION = "1.14.1"
+TPM_PLUGIN_VERSION = "1.9.0"
+OVNK_VERSION = "2.4.2"
+
+
+def _standin(name: str, version: str) -> bytes:
+    return (
+        f"#!/bin/sh\n# nodetrust fixture payload: a stand-in for {name} {version}, not the real program\n"
+        f'echo "{name} {version} (nodetrust fixture stand-in)"\n'
+    ).encode()
+
+
+# -- debs ---------------------------------------------------------------------------------------
+
+
+def _deb(
+    out: Path, name: str, version: str, files: dict[str, bytes], depends: str = "", arch: str = "amd64"
+) -> Path:
+    with tempfile.TemporaryDirectory(prefix="payload-deb-") as tmp:
+        root = Path(tmp) / "root"
+        (root / "DEBIAN").mkdir(parents=True)
+        control = (
+            f"Package: {name}\nVersion: {version}\nArchitecture: {arch}\n"
+            "Maintainer: nodetrust tests <tests@nodetrust.invalid>\n"
+            + (f"Depends: {depends}\n" if depends else "")
+            + f"Description: {name} stand-in (nodetrust fixture payload, not the real package)\n"
+        )
+        (root / "DEBIAN" / "control").write_text(control)
+        for rel, data in files.items():
+            path = root / rel.lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            path.chmod(0o755 if rel.startswith(("/usr/bin/", "/usr/sbin/")) else 0o644)
+        for path in sorted(root.rglob("*"), reverse=True):
+            os.utime(path, (EPOCH, EPOCH), follow_symlinks=False)
+        os.utime(root, (EPOCH, EPOCH))
+        out.mkdir(parents=True, exist_ok=True)
+        deb = out / f"{name}_{version}_{arch}.deb"
+        env = {**os.environ, "SOURCE_DATE_EPOCH": str(EPOCH)}
+        subprocess.run(
+            ["dpkg-deb", "--root-owner-group", "-Zxz", "--build", str(root), str(deb)],
+            check=True,
+            capture_output=True,
+            env=env,
+        )
+    return deb
+
+
+def _control(deb: Path) -> str:
+    return subprocess.run(
+        ["dpkg-deb", "--field", str(deb)], check=True, capture_output=True, text=True
+    ).stdout
+
+
+def _flat_repo(repo: Path, gnupghome: Path) -> None:
+    """Packages, Packages.gz, Release, InRelease and Release.gpg for repo/amd64/*.deb (pkgs.k8s.io layout)."""
+    stanzas = []
+    for deb in sorted(repo.glob("amd64/*.deb")):
+        data = deb.read_bytes()
+        stanzas.append(
+            _control(deb).strip()
+            + f"\nFilename: amd64/{deb.name}\nSize: {len(data)}\nSHA256: {hashlib.sha256(data).hexdigest()}\n"
+        )
+    packages = "\n".join(stanzas).encode()
+    (repo / "Packages").write_bytes(packages)
+    (repo / "Packages.gz").write_bytes(gzip.compress(packages, mtime=0))
+    sums = "".join(
+        f" {hashlib.sha256((repo / n).read_bytes()).hexdigest()} {(repo / n).stat().st_size} {n}\n"
+        for n in ("Packages", "Packages.gz")
+    )
+    (repo / "Release").write_text(
+        "Origin: nodetrust fixture payloads\nLabel: nodetrust fixture payloads\nArchitectures: amd64\n"
+        "Date: Thu, 01 Jan 2026 00:00:00 UTC\nSHA256:\n" + sums
+    )
+    _gpg(gnupghome, "--clearsign", "--output", str(repo / "InRelease"), str(repo / "Release"))
+    _gpg(gnupghome, "--detach-sign", "--armor", "--output", str(repo / "Release.gpg"), str(repo / "Release"))
+
+
+# -- tarballs ----------------------------------------------------------------------------------------
+
+
+def _tarball(out: Path, members: dict[str, bytes]) -> Path:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        dirs: set[str] = set()
+        for name in sorted(members):
+            parts = name.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                if d not in dirs:
+                    dirs.add(d)
+                    info = tarfile.TarInfo(d)
+                    info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o755, EPOCH
+                    tar.addfile(info)
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(members[name]), EPOCH
+            info.mode = 0o755 if "/bin/" in name or "." not in name.rsplit("/", 1)[-1] else 0o644
+            tar.addfile(info, io.BytesIO(members[name]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(gzip.compress(buffer.getvalue(), mtime=0))
+    return out
+
+
+def _sums(files: list[Path]) -> str:
+    return "".join(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {f.name}\n" for f in files)
+
+
+# -- signing --------------------------------------------------------------------------------------------
+
+
+def _gpg(home: Path, *args: str) -> None:
+    subprocess.run(
+        [
+            "gpg",
+            "--homedir",
+            str(home),
+            "--batch",
+            "--yes",
+            "--pinentry-mode",
+            "loopback",
+            "--passphrase",
+            "",
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+
+@contextlib.contextmanager
+def _signing_home() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="payload-gpg-") as tmp:
+        home = Path(tmp)
+        home.chmod(0o700)
+        _gpg(home, "--import", str(SECRET_KEY))
+        try:
+            yield home
+        finally:
+            subprocess.run(
+                ["gpgconf", "--homedir", str(home), "--kill", "all"], check=False, capture_output=True
+            )
+
+
+# -- the tree ------------------------------------------------------------------------------------------------
+
+
+def build_payloads(root: Path) -> Path:
+    """Build the payload tree under ``root`` (once per FORMAT) and return ``root``."""
+    stamp = root / ".complete"
+    if stamp.is_file() and stamp.read_text().strip() == FORMAT:
+        return root
+    work = root.with_name(root.name + f".build-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    try:
+        with _signing_home() as home:
+            for version in KUBERNETES_VERSIONS:
+                minor = ".".join(version.split(".")[:2])
+                repo = work / "k8s" / f"core:/stable:/v{minor}" / "deb"
+                debs = repo / "amd64"
+                deb_version = f"{version}-{DEB_REVISION}"
+                cri = f"{minor}.0-{DEB_REVISION}"
+                _deb(debs, "cri-tools", cri, {"/usr/bin/crictl": _standin("crictl", f"{minor}.0")})
+                _deb(
+                    debs,
+                    "kubernetes-cni",
+                    f"{KUBERNETES_CNI}-{DEB_REVISION}",
+                    {"/opt/cni/bin/bridge": _standin("cni bridge", KUBERNETES_CNI)},
+                )
+                _deb(debs, "kubectl", deb_version, {"/usr/bin/kubectl": _standin("kubectl", f"v{version}")})
+                _deb(
+                    debs,
+                    "kubelet",
+                    deb_version,
+                    {
+                        "/usr/bin/kubelet": _standin("kubelet", f"v{version}"),
+                        "/usr/lib/systemd/system/kubelet.service": (
+                            b"[Unit]\nDescription=kubelet stand-in (nodetrust fixture)\n\n"
+                            b"[Service]\nExecStart=/usr/bin/kubelet\n\n[Install]\nWantedBy=multi-user.target\n"
+                        ),
+                    },
+                    depends="kubernetes-cni (>= 1.2.0)",
+                )
+                _deb(
+                    debs,
+                    "kubeadm",
+                    deb_version,
+                    {"/usr/bin/kubeadm": _standin("kubeadm", f"v{version}")},
+                    depends=f"kubelet (>= {minor}.0), kubectl (>= {minor}.0), cri-tools (>= {minor}.0)",
+                )
+                _flat_repo(repo, home)
+
+            spire = work / "spire" / f"v{SPIRE_VERSION}"
+            spire_tar = _tarball(
+                spire / f"spire-{SPIRE_VERSION}-linux-amd64-musl.tar.gz",
+                {
+                    f"spire-{SPIRE_VERSION}/bin/spire-agent": _standin("spire-agent", SPIRE_VERSION),
+                    f"spire-{SPIRE_VERSION}/conf/agent/agent.conf": b"# spire-agent configuration stand-in\n",
+                },
+            )
+            (spire / f"spire-{SPIRE_VERSION}-linux-amd64-musl_sha256sum.txt").write_text(_sums([spire_tar]))
+
+            plugin = work / "spire-tpm-plugin" / f"v{TPM_PLUGIN_VERSION}"
+            plugin_tar = _tarball(
+                plugin / f"spire_tpm_plugin_tpm_attestor_agent_linux_amd64_v{TPM_PLUGIN_VERSION}.tar.gz",
+                {"tpm_attestor_agent": _standin("tpm_attestor_agent", TPM_PLUGIN_VERSION)},
+            )
+            (plugin / "checksums.txt").write_text(_sums([plugin_tar]))
+
+            ovnk = work / "ovn-kubernetes" / f"v{OVNK_VERSION}"
+            ovnk_tar = _tarball(
+                ovnk / f"ovn-kubernetes-{OVNK_VERSION}-linux-amd64.tar.gz",
+                {
+                    f"ovn-kubernetes-{OVNK_VERSION}/bin/ovnkube": _standin("ovnkube", OVNK_VERSION),
+                    f"ovn-kubernetes-{OVNK_VERSION}/manifests/ovnkube-node.yaml": b"# ovnkube-node manifest stand-in\n",
+                },
+            )
+            (ovnk / "SHA256SUMS").write_text(_sums([ovnk_tar]))
+            _gpg(
+                home,
+                "--detach-sign",
+                "--armor",
+                "--output",
+                str(ovnk / "SHA256SUMS.asc"),
+                str(ovnk / "SHA256SUMS"),
+            )
+        (work / ".complete").write_text(FORMAT + "\n")
+        shutil.rmtree(root, ignore_errors=True)
+        work.rename(root)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return root
+
+
+# -- the server -------------------------------------------------------------------------------------------------
+
+
+class PayloadServer:
+    """Serves ``root`` on 127.0.0.1 with Range support; paths can be tampered with, truncated or failed."""
+
+    def __init__(self, root: Path, port: int = 0) -> None:
+        self.root = root
+        self.overrides: dict[str, bytes] = {}
+        self.truncate_once: dict[str, int] = {}
+        self.status: dict[str, int] = {}
+        self.requests: list[tuple[str, str]] = []  # (path, Range header)
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self) -> None:
+                server._get(self)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return None
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="payload-server", daemon=True)
+        self._thread.start()
+
+    def _content(self, path: str) -> bytes | None:
+        if path in self.overrides:
+            return self.overrides[path]
+        local = (self.root / path.lstrip("/")).resolve()
+        if not local.is_relative_to(self.root.resolve()) or not local.is_file():
+            return None
+        return local.read_bytes()
+
+    def _get(self, handler: BaseHTTPRequestHandler) -> None:
+        path = handler.path.split("?", 1)[0]
+        range_header = handler.headers.get("Range", "")
+        with self._lock:
+            self.requests.append((path, range_header))
+            status = self.status.get(path)
+            cut = self.truncate_once.pop(path, None)
+        if status is not None:
+            handler.send_response(status)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        data = self._content(path)
+        if data is None:
+            handler.send_response(404)
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        start = 0
+        if range_header.startswith("bytes=") and range_header.endswith("-"):
+            start = int(range_header[len("bytes=") : -1])
+            if start >= len(data):
+                handler.send_response(416)
+                handler.send_header("Content-Length", "0")
+                handler.end_headers()
+                return
+            handler.send_response(206)
+            handler.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            handler.send_response(200)
+        body = data[start:]
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        if cut is not None:
+            handler.wfile.write(body[:cut])
+            handler.wfile.flush()
+            handler.close_connection = True
+            with contextlib.suppress(OSError):
+                handler.connection.shutdown(2)
+            return
+        handler.wfile.write(body)
+
+    def tamper(self, path: str, data: bytes) -> None:
+        self.overrides[path] = data
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.support.payload_server", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--root", type=Path, default=DEFAULT_ROOT, help=f"payload tree (default: {DEFAULT_ROOT})"
+    )
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"loopback port (default: {DEFAULT_PORT})"
+    )
+    args = parser.parse_args(argv)
+    build_payloads(args.root)
+    server = PayloadServer(args.root, args.port)
+    print(f"serving fixture payloads from {args.root} at {server.url} (Ctrl-C stops)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
