@@ -325,7 +325,7 @@ def test_without_autoinstall_argument_asks_for_confirmation(
         drives=[(new_disk(tmp_path / "node.qcow2"), "disk"), (boot_files.iso, "cdrom")],
         kernel=boot_files.kernel,
         initrd=boot_files.initrd,
-        append=f"ds=nocloud;s=http://{GUEST_SERVICE}/seed/ console=ttyS0,115200 quiet",
+        append=f"ds=nocloud;s=http://{GUEST_SERVICE}/seed/ console=ttyS0,115200 quiet no_timer_check",
         listener_port=listener.port,
     )
     with one_vm(vm):
@@ -353,7 +353,7 @@ def test_seed_without_autoinstall_key_falls_back_to_interactive(
         drives=[(new_disk(tmp_path / "node.qcow2"), "disk"), (boot_files.iso, "cdrom"), (seed, "seed")],
         kernel=boot_files.kernel,
         initrd=boot_files.initrd,
-        append="autoinstall ds=nocloud console=ttyS0,115200 quiet",
+        append="autoinstall ds=nocloud console=ttyS0,115200 quiet no_timer_check",
     )
     with one_vm(vm):
         vm.wait_console(r"Use UP, DOWN and ENTER keys to select your language\.", BOOT_TO_INSTALLER_TIMEOUT)

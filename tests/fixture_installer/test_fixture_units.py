@@ -291,6 +291,12 @@ def test_package_manifest(tmp_path: Path) -> None:
 
 
 @pytest.mark.subprocess
+@pytest.mark.parametrize("script", ["initrd-init.sh", "target-setup.sh", "curtin"])
+def test_shell_scripts_parse(script: str) -> None:
+    run(["sh", "-n", str(media.FILES / script)])
+
+
+@pytest.mark.subprocess
 def test_initrd_archive_lists_with_cpio(tmp_path: Path) -> None:
     data = media._newc(
         [
