@@ -173,6 +173,13 @@ def test_autoinstall_installs_a_bootable_node(
                 },
             },
             "packages": ["nodetrust-fixture-hello"],
+            # accepted the way an Ubuntu build would send them; offline they only leave notes
+            "updates": "security",
+            "refresh-installer": {"update": False},
+            "source": {"id": "ubuntu-server-minimal", "search_drivers": False},
+            "timezone": "Etc/UTC",
+            "locale": "en_US.UTF-8",
+            "keyboard": {"layout": "us"},
             "late-commands": [
                 "echo late-marker > /target/etc/nodetrust-late-marker",
                 "curtin in-target --target=/target -- sh -c 'echo in-target-ok > /etc/nodetrust-in-target'",
