@@ -16,7 +16,8 @@ APT_PACKAGES=(
   libvirt-daemon-system libvirt-daemon-driver-qemu libvirt-clients libvirt-dev
   qemu-system-x86 qemu-utils ovmf
   # ISO, seed and root file system tools for the fixture installer
-  xorriso mtools dosfstools debootstrap cpio zstd e2fsprogs fdisk
+  xorriso mtools dosfstools debootstrap cpio zstd e2fsprogs fdisk squashfs-tools busybox-static
+  util-linux dpkg-dev shellcheck
   # PostgreSQL for the HA store tests
   postgresql
 )

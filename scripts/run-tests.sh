@@ -22,12 +22,12 @@ if [ "$what" = all ] || [ "$what" = vm ]; then
 fi
 if [ "$what" = all ] || [ "$what" = fast ]; then
   echo "== tests (unit, swtpm, libvirt test driver, store)"
-  python -m pytest tests -q || status=$?
+  python -m pytest tests -q -m "not vm" || status=$?
 fi
 if [ "$what" = all ] || [ "$what" = vm ]; then
   echo "== vm-tests"
   rc=0
-  python -m pytest vm-tests -q -p no:cacheprovider || rc=$?
+  python -m pytest vm-tests tests -q -p no:cacheprovider -m vm || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "vm-tests: no VM tests were collected (exit 5): that is a failure, not a skip" >&2
   fi
