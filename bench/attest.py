@@ -26,9 +26,7 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -325,21 +323,11 @@ def main() -> int:
     if args.store:
         config["store"] = args.store
     (work / "config.yaml").write_text(json.dumps(config))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "run", "--config", str(work / "config.yaml")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    from tests.support.serverproc import ServerProcess
+
+    server = ServerProcess(None, work / "config.yaml")
     try:
-        assert server.stdout is not None
-        line = server.stdout.readline()
-        if "serving" not in line:
-            print(f"bench/attest: the server did not start: {line}", file=sys.stderr)
-            return 1
-        port = int(line.split(" on port ")[1].split(",")[0])
-        bundle = subprocess.run(
-            [sys.executable, "-m", "server.cli", "bundle", "--config", str(work / "config.yaml")],
-            cwd=ROOT, capture_output=True, check=True,
-        ).stdout  # fmt: skip
+        port, bundle = server.attest_port, server.bundle
         cpu_before = _cpu_seconds(server.pid)
         queue: Any = mp.Queue()
         share = [agents[i :: args.clients] for i in range(args.clients)]
@@ -362,8 +350,7 @@ def main() -> int:
         cpu = _cpu_seconds(server.pid) - cpu_before
         rss = _peak_rss_mib(server.pid)
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
+        server.stop()
     floor = crypto_floor(ca_pem, agents[0], work / "floor")
     floor_total = sum(floor.values())
     ok = [lat for lat, status in results if status == "ok"]

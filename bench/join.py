@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,23 +90,11 @@ def _storm(  # noqa: PLR0917
     *,
     attest_only: bool,
 ) -> tuple[float, list[tuple[float, str]]]:
-    (work / "config.yaml").write_text(json.dumps(config))
-    server = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "run", "--config", str(work / "config.yaml")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
+    from tests.support.serverproc import ServerProcess
+
+    server = ServerProcess(config, work / "config.yaml")
     try:
-        if server.stdout is None:
-            raise SystemExit("no server stdout")
-        line = server.stdout.readline()
-        if "serving" not in line:
-            raise SystemExit(f"bench/join: the server did not start: {line!r}")
-        attest_port = int(line.split(" on port ")[1].split(",")[0])
-        join_port = int(line.split("join on ")[1].split(",")[0])
-        bundle = subprocess.run(
-            [sys.executable, "-m", "server.cli", "bundle", "--config", str(work / "config.yaml")],
-            cwd=ROOT, capture_output=True, check=True,
-        ).stdout  # fmt: skip
+        attest_port, join_port, bundle = server.attest_port, server.join_port, server.bundle
         queue: Any = mp.Queue()
         procs = [
             mp.Process(
@@ -142,8 +127,7 @@ def _storm(  # noqa: PLR0917
             p.join()
         return elapsed, results
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(30)
+        server.stop()
 
 
 def main() -> int:

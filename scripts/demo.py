@@ -18,15 +18,11 @@ even on failure or Ctrl-C.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,43 +36,6 @@ def step(n: int, text: str) -> None:
 def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     print("  $ " + " ".join(argv[2:] if argv[:2] == [sys.executable, "-m"] else argv), flush=True)
     return subprocess.run(argv, text=True, capture_output=True, cwd=ROOT, check=False, **kwargs)  # type: ignore[call-overload,no-any-return]
-
-
-@contextlib.contextmanager
-def nodeserver(config: Path) -> Iterator[tuple[subprocess.Popen[str], int, int]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "run", "--config", str(config)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        port = join_port = 0
-        deadline = time.monotonic() + 60
-        if proc.stdout is None:
-            raise SystemExit("nodeserver has no stdout pipe")
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            if line.startswith("nodeserver: serving"):
-                print("  " + line.strip())
-                port = int(line.split(" on port ")[1].split(",")[0])
-                if "join on " in line:
-                    join_port = int(line.split("join on ")[1].split(",")[0])
-                break
-        if port == 0:
-            raise SystemExit(f"nodeserver did not start (exit {proc.poll()})")
-        yield proc, port, join_port
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def main() -> int:
@@ -131,13 +90,14 @@ def main() -> int:
                 indent=2,
             )
         )
-        with nodeserver(config) as (_server, port, join_port):
-            bundle = run([sys.executable, "-m", "server.cli", "bundle", "--config", str(config)])
-            if bundle.returncode != 0:
-                print(bundle.stderr, file=sys.stderr)
-                return 1
-            (work / "bundle.pem").write_text(bundle.stdout)
-            print(f"  trust bundle written to {work / 'bundle.pem'}")
+        from tests.support.serverproc import ServerProcess
+
+        print(f"  $ server.cli run --config {config}")
+        with ServerProcess(None, config, log=work / "server.log") as server:
+            port, join_port = server.attest_port, server.join_port
+            print(f"  {server.line}")
+            (work / "bundle.pem").write_bytes(server.bundle)
+            print(f"  trust bundle (nodeserver bundle) written to {work / 'bundle.pem'}")
 
             step(3, "The agent attests the TPM and receives its X509-SVID")
             attest = run(

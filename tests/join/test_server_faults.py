@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,45 +13,10 @@ import pytest
 from server.store import open_store
 from tests.store.helpers import make_cluster
 from tests.support.joinenv import SimAgent, attest_sim_at, cpu_report, join_at, join_config
+from tests.support.serverproc import ServerProcess
 from tests.support.simtpm import SimCa, SimulatedTpm
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-class ServerProcess:
-    """``nodeserver run`` as a separate process, so it can be killed -9."""
-
-    def __init__(self, config: dict[str, Any], path: Path) -> None:
-        path.write_text(json.dumps(config))
-        self.path = path
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "run", "--config", str(path)],
-            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if "serving" not in line:
-            self.proc.kill()
-            raise RuntimeError(f"nodeserver did not start: {line!r}")
-        self.attest = f"127.0.0.1:{line.split(' on port ')[1].split(',')[0]}"
-        self.join = f"127.0.0.1:{line.split('join on ')[1].split(',')[0]}"
-        bundle = subprocess.run(
-            [sys.executable, "-m", "server.cli", "bundle", "--config", str(path)],
-            cwd=ROOT,
-            capture_output=True,
-            check=True,
-        )
-        self.bundle = bundle.stdout
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(30)
 
 
 def _storm(
