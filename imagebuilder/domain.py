@@ -180,7 +180,11 @@ def domain_xml(spec: DomainSpec) -> str:
             "-netdev",
             f"user,id=ntnet0,restrict=on,guestfwd=tcp:{host}:{port}-chardev:ntev0",
             "-device",
-            f"virtio-net-pci,netdev=ntnet0,mac={spec.mac}",
+            # an explicit slot: QEMU creates command-line devices before libvirt's JSON ones, and libvirt
+            # fills pcie.0 from slot 1 up with root ports; slot 0x0f stays free for any domain this small
+            f"virtio-net-pci,netdev=ntnet0,mac={spec.mac},bus=pcie.0,addr=0x0f"
+            if spec.arch == "amd64"
+            else f"virtio-net-pci,netdev=ntnet0,mac={spec.mac}",
         ):
             _sub(cmd, f"{{{QEMU_NS}}}arg", value=arg)
     ET.indent(root)

@@ -88,6 +88,11 @@ def parse_checksums(text: str) -> dict[str, str]:
 
 
 def checksum_for(text: str, filename: str, *, what: str) -> str:
+    """``filename``'s digest in a checksum list; a file holding one bare digest (dl.k8s.io's ``.sha256``)
+    is that file's."""
+    bare = text.strip()
+    if re.fullmatch(r"[0-9a-fA-F]{64}", bare):
+        return bare.lower()
     sums = parse_checksums(text)
     if filename in sums:
         return sums[filename]

@@ -147,7 +147,10 @@ class Domain:
             why = _CRASHED_REASONS.get(reason, str(reason))
         else:
             why = str(reason)
-        self._last = DomainState(name in ("running", "blocked", "paused"), name, why)
+        # "shutdown" is the moment between the guest's power-off request and the domain stopping
+        self._last = DomainState(
+            name in ("running", "blocked", "paused", "shutdown", "pmsuspended"), name, why
+        )
         return self._last
 
     def destroy(self) -> None:

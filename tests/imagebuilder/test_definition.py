@@ -1,0 +1,200 @@
+"""definition.yaml: the shipped examples load, and each kind of mistake gets a message naming the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from imagebuilder.definition import load_definition, schema, validate
+from imagebuilder.errors import DefinitionError
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {"IMAGEBUILDER_FIXTURE_ISO": "/tmp/installer.iso"}
+
+
+def minimal() -> dict[str, Any]:
+    return {
+        "name": "node",
+        "architecture": "amd64",
+        "installer": {"iso": {"url": "https://example.invalid/x.iso", "sha256": "a" * 64}},
+        "target": {"python": "3.12", "glibc": "2.39"},
+        "agent": {"source": "."},
+    }
+
+
+def write(tmp_path: Path, data: dict[str, Any]) -> Path:
+    path = tmp_path / "def.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_the_examples_load() -> None:
+    fixture = load_definition(REPO / "examples/fixture-node.yaml", environ=ENV)
+    assert fixture.installer.iso.url == "file:///tmp/installer.iso"
+    assert fixture.kubernetes is not None
+    assert fixture.kubernetes.installed == "1.36.3"
+    assert fixture.kubernetes.staged == ("1.34.2", "1.35.3", "1.37.2")
+    assert fixture.kubernetes.repository_for("1.35.3").url.endswith("/k8s/core:/stable:/v1.35/deb/")
+    assert {a.name for a in fixture.artifacts} == {"ovn-kubernetes", "spire-agent", "spire-tpm-plugin"}
+    assert fixture.agent.source == REPO
+    ubuntu = load_definition(REPO / "examples/ubuntu-2404-node.yaml", environ={})
+    assert ubuntu.target.python == "3.12"
+    assert ubuntu.kubernetes is not None
+    assert ubuntu.kubernetes.versions == ("1.36.3", "1.34.2", "1.35.3", "1.37.2")
+    versions = {a.name: a.version for a in ubuntu.artifacts}
+    assert versions["ovn-kubernetes"] == "2.4.2"
+    assert versions["spire-agent"] == "1.14.1"
+    assert versions["spire-tpm-plugin"] == "1.9.0"
+
+
+def test_defaults(tmp_path: Path) -> None:
+    defn = load_definition(write(tmp_path, minimal()))
+    assert defn.firmware == "uefi"
+    assert defn.network == "listener"
+    assert defn.disk_size_bytes == 20 * 2**30
+    assert defn.agent.venv == "/opt/nodeagent/venv"
+    assert [u.destination for u in defn.agent.units] == [
+        "/etc/systemd/system/nodeagent.service",
+        "/etc/systemd/system/kubelet.service.d/10-nodeagent.conf",
+    ]
+    assert defn.watchdog.boot > 0 and defn.watchdog.total > defn.watchdog.install
+
+
+def _set(data: dict[str, Any], path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    node: Any = data
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+    if value is _DELETE:
+        del node[last]
+    else:
+        node[last] = value
+
+
+_DELETE = object()
+
+INVALID = [
+    ("name", "Node_1", "name: 'Node_1' does not match"),
+    ("architecture", "riscv64", "architecture: 'riscv64' is not one of"),
+    ("firmware", "coreboot", "firmware: 'coreboot' is not one of"),
+    ("disk_size", "20GB", "disk_size: '20GB' does not match"),
+    ("installer.iso.url", "ftp://x/y.iso", "installer.iso.url: 'ftp://x/y.iso' does not match"),
+    ("installer.iso.sha256", "ABC", "installer.iso.sha256: 'ABC' does not match"),
+    ("installer.iso.checksums", {"url": "https://x/SUMS", "signature": "https://x/SUMS.gpg"},
+     "installer.iso.checksums: 'keyring' is a dependency of 'signature'"),
+    ("target.python", "3", "target.python: '3' does not match"),
+    ("target", {"python": "3.12"}, "target: 'glibc' is a required property"),
+    ("agent", _DELETE, "(top level): 'agent' is a required property"),
+    ("colour", "blue", "Additional properties are not allowed ('colour' was unexpected)"),
+    ("artifacts", [{"name": "x", "version": "1", "kind": "rpm", "urls": "https://x/y", "destination": "/opt/x"}],
+     "artifacts[0].kind: 'rpm' is not one of"),
+    ("artifacts", [{"name": "x", "version": "1", "kind": "binary", "urls": "https://x/y", "destination": "opt/x"}],
+     "artifacts[0].destination: 'opt/x' does not match"),
+    ("artifacts", [{"name": "x", "version": "1", "kind": "binary", "urls": {"s390x": "https://x/y"},
+                    "destination": "/opt/x"}], "artifacts[0].urls"),
+    ("kubernetes", {"installed": "1.36", "repository": {"url": "https://x/", "keyring": "k"}},
+     "kubernetes.installed: '1.36' does not match"),
+    ("packages", ["Bad Name"], "packages[0]"),
+    ("watchdog", {"boot": 1}, "watchdog.boot: 1 is less than the minimum of 5"),
+    ("user", {"name": "root!"}, "user.name: 'root!' does not match"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "value", "expected"), INVALID, ids=[case[0] for case in INVALID])
+def test_invalid_definitions_name_the_field(tmp_path: Path, path: str, value: Any, expected: str) -> None:
+    data = minimal()
+    _set(data, path, value if value is _DELETE else copy.deepcopy(value))
+    with pytest.raises(DefinitionError) as caught:
+        load_definition(write(tmp_path, data))
+    assert expected in caught.value.message, caught.value.message
+    assert "definition.schema.json" in caught.value.hint
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    data = minimal()
+    data["architecture"] = "mips"
+    data["disk_size"] = "big"
+    with pytest.raises(DefinitionError) as caught:
+        load_definition(write(tmp_path, data))
+    assert "2 problem(s)" in caught.value.message
+
+
+def test_semantic_checks(tmp_path: Path) -> None:
+    data = minimal()
+    data["kubernetes"] = {
+        "installed": "1.36.3",
+        "staged": ["1.36.3"],
+        "repository": {
+            "url": "https://pkgs.k8s.io/core:/stable:/v{minor}/deb/",
+            "flat": True,
+            "keyring": "k.asc",
+        },
+    }
+    with pytest.raises(DefinitionError, match="both installed and staged"):
+        load_definition(write(tmp_path, data))
+    data = minimal()
+    art = {"version": "1", "kind": "binary", "urls": "https://x/y", "destination": "/opt/x"}
+    data["artifacts"] = [{"name": "a", **art}, {"name": "a", **art}]
+    with pytest.raises(DefinitionError, match="repeated: a"):
+        load_definition(write(tmp_path, data))
+    data = minimal()
+    data["architecture"] = "arm64"
+    data["artifacts"] = [{"name": "a", **art, "urls": {"amd64": "https://x/y"}}]
+    with pytest.raises(DefinitionError, match="no entry for architecture arm64"):
+        load_definition(write(tmp_path, data))
+    data = minimal()
+    data["apt_sources"] = [{"name": "d", "url": "http://deb.debian.org/debian", "keyring": "k"}]
+    with pytest.raises(DefinitionError, match="suite is required unless flat"):
+        load_definition(write(tmp_path, data))
+
+
+def test_environment_references(tmp_path: Path) -> None:
+    data = minimal()
+    data["installer"]["iso"]["url"] = "file://${ISO_PATH}"
+    data["installer"]["iso"]["mirrors"] = ["${MIRROR:-https://mirror.invalid}/x.iso"]
+    path = write(tmp_path, data)
+    with pytest.raises(DefinitionError, match=r"installer\.iso\.url: \$\{ISO_PATH\} is not set") as caught:
+        load_definition(path, environ={})
+    assert "export ISO_PATH=" in caught.value.hint
+    defn = load_definition(path, environ={"ISO_PATH": "/srv/x.iso"})
+    assert defn.installer.iso.url == "file:///srv/x.iso"
+    assert defn.installer.iso.mirrors == ("https://mirror.invalid/x.iso",)
+    other = load_definition(path, environ={"ISO_PATH": "/srv/y.iso"})
+    assert other.resolved_sha256 != defn.resolved_sha256  # a lock is for one resolved definition
+    assert other.file_sha256 == defn.file_sha256
+
+
+def test_relative_paths_are_relative_to_the_definition(tmp_path: Path) -> None:
+    data = minimal()
+    data["agent"]["source"] = "../repo"
+    data["apt_sources"] = [
+        {"url": "http://deb.debian.org/debian", "suite": "bookworm", "keyring": "keys/d.gpg"}
+    ]
+    sub = tmp_path / "defs"
+    sub.mkdir()
+    defn = load_definition(write(sub, data))
+    assert defn.agent.source == tmp_path / "repo"
+    assert defn.apt_sources[0].keyring == sub / "keys/d.gpg"
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    with pytest.raises(DefinitionError, match="cannot read the definition"):
+        load_definition(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(DefinitionError, match="not valid UTF-8 YAML"):
+        load_definition(bad)
+
+
+def test_the_schema_is_valid_json_schema_for_editors() -> None:
+    from jsonschema import Draft202012Validator
+
+    Draft202012Validator.check_schema(schema())
+    shipped = REPO / "imagebuilder/schemas/definition.schema.json"
+    assert json.loads(shipped.read_text()) == schema()
+    assert validate(minimal()) == []

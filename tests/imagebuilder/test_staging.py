@@ -1,0 +1,66 @@
+"""The staging tree and the plan stage.sh follows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from imagebuilder.definition import load_definition
+from imagebuilder.lock import LockedInput
+from imagebuilder.staging import StagedFile, build_tree
+
+pytestmark = pytest.mark.subprocess  # dpkg-deb indexes the apt repository
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _item(key: str, kind: str, role: str, path: Path, **extra: object) -> StagedFile:
+    item = LockedInput(key=key, name=key.rsplit("/", 1)[-1], kind=kind, version="1", url="http://x/" + path.name,
+                       sha256="0" * 64, size=path.stat().st_size, role=role, filename=path.name,
+                       **extra)  # type: ignore[arg-type]  # fmt: skip
+    return StagedFile(item, path)
+
+
+def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
+    defn = load_definition(
+        REPO / "examples/fixture-node.yaml", environ={"IMAGEBUILDER_FIXTURE_ISO": "/x.iso"}
+    )
+    k8s = payload_root / "k8s/core:/stable:/v1.36/deb/amd64"
+    k8s_next = payload_root / "k8s/core:/stable:/v1.37/deb/amd64"
+    spire = payload_root / "spire/v1.14.1/spire-1.14.1-linux-amd64-musl.tar.gz"
+    files = [
+        *(_item(f"kubernetes/1.36.3/{p.name.split('_')[0]}", "deb", "apt", p) for p in sorted(k8s.glob("kube*.deb"))),
+        _item("deb/cri-tools", "deb", "apt", k8s / "cri-tools_1.36.0-1.1_amd64.deb"),
+        _item("kubernetes/1.37.2/kubeadm", "deb", "stage", k8s_next / "kubeadm_1.37.2-1.1_amd64.deb",
+              destination="/opt/nodetrust/staged/kubernetes/1.37.2/"),
+        _item("artifact/spire-agent", "tarball", "stage", spire, destination="/opt/spire/1.14.1/", strip_components=1),
+        _item("artifact/tool", "binary", "stage", spire, destination="/usr/local/bin/tool", mode="0755"),
+    ]  # fmt: skip
+    wheel = tmp_path / "pip-26.3-py3-none-any.whl"
+    wheel.write_bytes(b"wheel")
+    tree = tmp_path / "tree"
+    plan = build_tree(tree, defn, files, wheels=[wheel], pip_wheel=wheel.name,
+                      agent_requirement="nodetrust[agent]==0.1.0", image_info={"build_id": "b1"})  # fmt: skip
+    assert plan[0] == "apt\tkubeadm=1.36.3-1.1 kubelet=1.36.3-1.1 kubectl=1.36.3-1.1"
+    assert plan[1] == "hold\tkubeadm kubelet kubectl"
+    assert ("file\tstaged/1.37.2/kubeadm_1.37.2-1.1_amd64.deb\t/opt/nodetrust/staged/kubernetes/1.37.2/"
+            "kubeadm_1.37.2-1.1_amd64.deb\t0644") in plan  # fmt: skip
+    assert f"tarball\tfiles/spire-agent/{spire.name}\t/opt/spire/1.14.1/\t1" in plan
+    assert f"file\tfiles/tool/{spire.name}\t/usr/local/bin/tool\t0755" in plan
+    assert "dir\t/etc/nodeagent\t0700" in plan
+    assert f"venv\t/opt/nodeagent/venv\tnodetrust[agent]==0.1.0\t{wheel.name}" in plan
+    assert "file\tunits/agent_systemd_nodeagent.service\t/etc/systemd/system/nodeagent.service\t0644" in plan
+    assert "enable\tnodeagent.service\trequired" in plan
+    assert "enable\tsystemd-time-wait-sync.service\toptional" in plan
+    assert "user\tnodeadmin\tyes\t/bin/bash\tkeys/nodeadmin.keys" in plan
+    assert plan[-1] == "sshd\tno"
+    assert (tree / "plan.tsv").read_text() == "\n".join(plan) + "\n"
+    assert (tree / "stage.sh").read_text() == (REPO / "cloud-init/stage.sh").read_text()
+    packages = (tree / "apt/Packages").read_text()
+    assert "Package: kubeadm" in packages and "Filename: ./kubeadm_1.36.3-1.1_amd64.deb" in packages
+    assert (tree / "apt/Release").read_text().count("Packages") == 4
+    assert json.loads((tree / "info/image.json").read_text()) == {"build_id": "b1"}
+    assert (tree / "keys/nodeadmin.keys").read_text().startswith("ssh-ed25519 ")
+    for line in plan:
+        assert all(line.split("\t")), line
