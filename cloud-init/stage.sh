@@ -163,9 +163,13 @@ digest=$(sha256sum /tmp/nodetrust-packages.tsv | cut -d' ' -f1)
 say "generalising the image"
 : > "$T/etc/machine-id"
 rm -f "$T/var/lib/dbus/machine-id" "$T"/etc/ssh/ssh_host_*
+# The node's own first boot must run cloud-init from its datasource (the node pool's release), not the
+# installer's: drop what the installer configured (its clean.d hook does this on newer cloud-init).
 if [ -x "$T/usr/bin/cloud-init" ]; then
   intarget cloud-init clean --logs >/dev/null 2>&1 || true
 fi
+rm -f "$T/etc/cloud/cloud.cfg.d/99-installer.cfg" "$T/etc/cloud/cloud.cfg.d/90-installer-network.cfg" \
+  "$T/etc/cloud/ds-identify.cfg" "$T/etc/cloud/cloud-init.disabled"
 
 data "NODETRUST-INSTALLED-SIZE $(df -B1 --output=used "$T" | tail -n 1 | tr -d ' ')"
 cleanup

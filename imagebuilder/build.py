@@ -103,9 +103,23 @@ def new_build_id(name: str) -> str:
     return f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
 
 
+def _check_reachable(root: Path) -> None:
+    """QEMU runs as another user under qemu:///system (libvirt-qemu): every parent must be traversable."""
+    for parent in [root.resolve(), *root.resolve().parents]:
+        if not os.stat(parent).st_mode & 0o001:
+            raise BuildError(
+                f"the work directory {root} is not reachable for QEMU: {parent} is mode "
+                f"{os.stat(parent).st_mode & 0o777:04o} (others may not enter it)",
+                hint="QEMU runs as its own user (libvirt-qemu) under qemu:///system: pass --work-dir on a path "
+                "every parent of which others may traverse (the default is /var/tmp)",
+            )
+
+
 def _work_dir(opts: BuildOptions, build_id: str) -> Path:
     root = opts.work_root or Path(os.environ.get("TMPDIR", "/var/tmp"))  # noqa: S108 - a private mkdtemp below
     root.mkdir(parents=True, exist_ok=True)
+    if opts.libvirt_uri.endswith("/system"):
+        _check_reachable(root)
     work = Path(tempfile.mkdtemp(prefix=f"imagebuilder-{build_id}-", dir=root))
     os.chmod(work, 0o755)  # noqa: S103 - QEMU (user libvirt-qemu under qemu:///system) must reach the files in it
     return work
@@ -314,7 +328,9 @@ class Build:
                 cpus=defn.cpus,
                 kernel=self.paths["kernel"],
                 initrd=self.paths["initrd"],
-                cmdline=kernel_cmdline(defn.architecture, "ds=nocloud", defn.installer.kernel_args),
+                cmdline=kernel_cmdline(
+                    defn.architecture, "ds=nocloud", defn.installer.kernel_args, accel=accel
+                ),
                 disk=disk,
                 cdrom=self.paths["iso"],
                 readonly_disks=(self.paths["seed"], self.paths["staging"]),
@@ -332,7 +348,7 @@ class Build:
             dom = stack.enter_context(conn.domain(domain_xml(spec)))
             log.info("installing (console: %s)", console)
             result = Watcher(dom, console, data, listener, self.watchdog).run()
-            self.events = result.events
+            self.webhook_events = listener.received if listener is not None else 0
         self.paths["disk"] = disk
         return result
 
@@ -412,7 +428,11 @@ class Build:
             "installed_size": result.installed_size,
             "image": image,
             "accelerator": {"name": accel[0], "why": accel[1]},
-            "installer": {"events": result.events, "network": self.network},
+            "installer": {
+                "events": result.events,
+                "webhook_events": getattr(self, "webhook_events", 0),
+                "network": self.network,
+            },
         }
 
     # -- the whole build -------------------------------------------------------------------------

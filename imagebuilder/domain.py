@@ -191,8 +191,14 @@ def domain_xml(spec: DomainSpec) -> str:
     return ET.tostring(root, encoding="unicode") + "\n"
 
 
-def kernel_cmdline(arch: str, seed_args: str, extra: tuple[str, ...]) -> str:
-    """``autoinstall ds=nocloud...`` plus the console; ``---`` then what curtin carries into the target."""
+def kernel_cmdline(arch: str, seed_args: str, extra: tuple[str, ...], *, accel: str = "kvm") -> str:
+    """``autoinstall ds=nocloud...`` plus the console; ``---`` then what curtin carries into the target.
+
+    Under TCG a loaded host can make the installer's kernel panic in its timer check
+    ("IO-APIC + timer doesn't work"), so TCG adds ``no_timer_check`` *before* ``---``: the
+    installer gets it, the installed system does not.
+    """
     console = f"console={CONSOLE[arch]},115200"
+    installer_only = ["no_timer_check"] if accel == "tcg" and arch == "amd64" else []
     carried = [a for a in extra if not a.startswith("console=")]
-    return " ".join(["autoinstall", seed_args, console, "---", console, *carried]).strip()
+    return " ".join(["autoinstall", seed_args, console, *installer_only, "---", console, *carried]).strip()

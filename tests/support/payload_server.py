@@ -8,7 +8,10 @@ Stand-ins (small, deterministic, with real SHA-256 pins) for what a node image s
   ``InRelease`` clear-signed with the fixture test key;
 * SPIRE agent 1.14.1 and the TPM attestor plugin 1.9.0: tarballs with the checksum files
   their projects publish (unsigned);
-* OVN-Kubernetes 2.4.2: a tarball with a ``SHA256SUMS`` and a detached OpenPGP signature.
+* OVN-Kubernetes 2.4.2: a tarball with a ``SHA256SUMS`` and a detached OpenPGP signature;
+* ``/extras/deb/``: a signed flat apt repository with two packages that misbehave on purpose,
+  for the VM tests of the builder's diagnoses: ``nodetrust-fixture-fails`` (its postinst
+  exits 1) and ``nodetrust-fixture-hangs`` (its postinst sleeps forever, silently).
 
 Every binary is a shell script that says it is a stand-in. The signing key is a test key
 (``tests/support/data/fixture-payload-signing.secret.asc``; its public half is
@@ -46,7 +49,7 @@ PUBLIC_KEY = REPO / "examples" / "keys" / "fixture-payload-signing.asc"
 DEFAULT_ROOT = REPO / ".cache" / "imagebuilder-payloads"
 DEFAULT_PORT = 8765
 EPOCH = 1767225600  # 2026-01-01T00:00:00Z, every mtime in the payloads
-FORMAT = "3"  # bump when the payloads change
+FORMAT = "4"  # bump when the payloads change
 
 KUBERNETES_VERSIONS = ("1.34.2", "1.35.3", "1.36.3", "1.37.2")
 DEB_REVISION = "1.1"
@@ -67,7 +70,13 @@ def _standin(name: str, version: str) -> bytes:
 
 
 def _deb(
-    out: Path, name: str, version: str, files: dict[str, bytes], depends: str = "", arch: str = "amd64"
+    out: Path,
+    name: str,
+    version: str,
+    files: dict[str, bytes],
+    depends: str = "",
+    arch: str = "amd64",
+    postinst: str = "",
 ) -> Path:
     with tempfile.TemporaryDirectory(prefix="payload-deb-") as tmp:
         root = Path(tmp) / "root"
@@ -79,6 +88,9 @@ def _deb(
             + f"Description: {name} stand-in (nodetrust fixture payload, not the real package)\n"
         )
         (root / "DEBIAN" / "control").write_text(control)
+        if postinst:
+            (root / "DEBIAN" / "postinst").write_text(postinst)
+            (root / "DEBIAN" / "postinst").chmod(0o755)
         for rel, data in files.items():
             path = root / rel.lstrip("/")
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,11 +120,11 @@ def _control(deb: Path) -> str:
 def _flat_repo(repo: Path, gnupghome: Path) -> None:
     """Packages, Packages.gz, Release, InRelease and Release.gpg for repo/amd64/*.deb (pkgs.k8s.io layout)."""
     stanzas = []
-    for deb in sorted(repo.glob("amd64/*.deb")):
+    for deb in sorted(repo.glob("*/*.deb")):
         data = deb.read_bytes()
         stanzas.append(
             _control(deb).strip()
-            + f"\nFilename: amd64/{deb.name}\nSize: {len(data)}\nSHA256: {hashlib.sha256(data).hexdigest()}\n"
+            + f"\nFilename: {deb.parent.name}/{deb.name}\nSize: {len(data)}\nSHA256: {hashlib.sha256(data).hexdigest()}\n"
         )
     packages = "\n".join(stanzas).encode()
     (repo / "Packages").write_bytes(packages)
@@ -122,7 +134,7 @@ def _flat_repo(repo: Path, gnupghome: Path) -> None:
         for n in ("Packages", "Packages.gz")
     )
     (repo / "Release").write_text(
-        "Origin: nodetrust fixture payloads\nLabel: nodetrust fixture payloads\nArchitectures: amd64\n"
+        "Origin: nodetrust fixture payloads\nLabel: nodetrust fixture payloads\nArchitectures: amd64 all\n"
         "Date: Thu, 01 Jan 2026 00:00:00 UTC\nSHA256:\n" + sums
     )
     _gpg(gnupghome, "--clearsign", "--output", str(repo / "InRelease"), str(repo / "Release"))
@@ -242,6 +254,25 @@ def build_payloads(root: Path) -> Path:
                     depends=f"kubelet (>= {minor}.0), kubectl (>= {minor}.0), cri-tools (>= {minor}.0)",
                 )
                 _flat_repo(repo, home)
+
+            extras = work / "extras" / "deb"
+            _deb(
+                extras / "all",
+                "nodetrust-fixture-fails",
+                "1.0",
+                {"/usr/share/nodetrust-fixture/fails": b"x\n"},
+                arch="all",
+                postinst="#!/bin/sh\necho 'nodetrust-fixture-fails: this postinst fails on purpose' >&2\nexit 1\n",
+            )
+            _deb(
+                extras / "all",
+                "nodetrust-fixture-hangs",
+                "1.0",
+                {"/usr/share/nodetrust-fixture/hangs": b"x\n"},
+                arch="all",
+                postinst="#!/bin/sh\nexec sleep 1000000\n",
+            )
+            _flat_repo(extras, home)
 
             spire = work / "spire" / f"v{SPIRE_VERSION}"
             spire_tar = _tarball(

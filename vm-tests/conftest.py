@@ -1,0 +1,198 @@
+"""The image builder's VM tier: real builds of the fixture definition under libvirt (TCG here).
+
+Nothing here skips. A missing piece (libvirtd, QEMU, OVMF, swtpm, the fixture installer ISO,
+a host tool) fails the test with what to install or start. One VM runs at a time: before a
+test boots anything it waits while another engineer's QEMU is running.
+
+Session fixtures share the expensive parts honestly: one fixture ISO, one payload server,
+one download cache (``.cache/imagebuilder-vm-tests``, kept across runs like any CI cache),
+one lock and one full build of ``examples/fixture-node.yaml``; several tests read that
+build's outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.support.payload_server import PayloadServer, build_payloads  # noqa: E402
+
+EXAMPLE = REPO / "examples" / "fixture-node.yaml"
+CACHE = REPO / ".cache" / "imagebuilder-vm-tests"
+HOST_TOOLS = {
+    "qemu-system-x86_64": "qemu-system-x86",
+    "qemu-img": "qemu-utils",
+    "xorriso": "xorriso",
+    "dpkg-deb": "dpkg",
+    "gpg": "gnupg",
+    "gpgv": "gpgv",
+    "debugfs": "e2fsprogs",
+    "sfdisk": "fdisk",
+    "swtpm": "swtpm",
+    "swtpm_setup": "swtpm-tools",
+    "virsh": "libvirt-clients",
+}
+OVMF = (Path("/usr/share/OVMF/OVMF_CODE_4M.fd"), Path("/usr/share/OVMF/OVMF_VARS_4M.fd"))
+OTHER_VM_WAIT_S = 1800
+
+
+def _require_host() -> None:
+    search = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    missing = sorted({pkg for tool, pkg in HOST_TOOLS.items() if shutil.which(tool, path=search) is None})
+    if not all(p.is_file() for p in OVMF):
+        missing.append("ovmf")
+    if missing:
+        pytest.fail(f"the image builder's VM tests need: apt-get install {' '.join(missing)}")
+    if os.geteuid() != 0:
+        pytest.fail("the VM tests need root (qemu:///system, the fixture ISO build)")
+    if not Path("/var/run/libvirt/libvirt-sock").exists():
+        pytest.fail("libvirtd is not running: start it with `scripts/services.sh start` (make vm-test does)")
+
+
+def wait_for_other_vms(timeout: float = OTHER_VM_WAIT_S) -> None:
+    """The machine is shared: wait while someone else's QEMU runs (one VM at a time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = subprocess.run(["pgrep", "-f", "qemu-system"], capture_output=True, text=True, check=False)
+        others = [pid for pid in found.stdout.split() if pid.strip() and int(pid) != os.getpid()]
+        if not others:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"another VM (qemu pids {', '.join(others)}) kept running for {timeout:.0f} s")
+        time.sleep(10)
+
+
+@dataclass(frozen=True)
+class Env:
+    iso: Path
+    payloads: PayloadServer
+    cache: Path
+    environ: dict[str, str]
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    _require_host()
+    from fixtures.installer.build import build_installer_iso
+    from fixtures.installer.proc import BuildError
+
+    try:
+        iso = build_installer_iso().iso
+    except BuildError as exc:
+        pytest.fail(f"building the fixture installer ISO failed: {exc}")
+    root = build_payloads(REPO / ".cache" / "imagebuilder-payloads")
+    server = PayloadServer(root)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    environ = {
+        **os.environ,
+        "IMAGEBUILDER_FIXTURE_ISO": str(iso),
+        "IMAGEBUILDER_PAYLOADS": server.url,
+        "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ.get('PATH', '')}",
+    }
+    try:
+        yield Env(iso, server, CACHE, environ)
+    finally:
+        server.close()
+
+
+def work_dir(tmp: Path) -> Path:
+    """A work directory QEMU can reach (pytest's own temporary directories are private to root)."""
+    work = Path(tempfile.mkdtemp(prefix=f"vmtest-{tmp.name}-", dir="/var/tmp"))
+    work.chmod(0o755)
+    return work
+
+
+def imagebuilder(env: Env, *args: str, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
+    """Run the real command line, as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "imagebuilder.cli", *args],
+        cwd=REPO,
+        env=env.environ,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def variant(tmp: Path, change: dict[str, Any]) -> Path:
+    """examples/fixture-node.yaml with changes, written where the test wants it (paths made absolute)."""
+    data = yaml.safe_load(EXAMPLE.read_text())
+    data = copy.deepcopy(data)
+    data["agent"]["source"] = str(REPO)
+    data["kubernetes"]["repository"]["keyring"] = str(
+        REPO / "examples" / data["kubernetes"]["repository"]["keyring"]
+    )
+    for artifact in data["artifacts"]:
+        if "keyring" in artifact.get("checksums", {}):
+            artifact["checksums"]["keyring"] = str(REPO / "examples" / artifact["checksums"]["keyring"])
+    for key, value in change.items():
+        if key.endswith("+"):
+            data[key[:-1]] = [*data.get(key[:-1], []), *value]
+        else:
+            data[key] = value
+    path = tmp / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def extras_source(env: Env) -> dict[str, Any]:
+    return {
+        "name": "fixture-extras",
+        "url": env.payloads.url + "/extras/deb/",
+        "flat": True,
+        "keyring": str(REPO / "examples" / "keys" / "fixture-payload-signing.asc"),
+    }
+
+
+@dataclass(frozen=True)
+class Build:
+    definition: Path
+    lock: Path
+    out: Path
+    work: Path
+    folder: Path
+    seconds: float
+    stderr: str
+
+
+def domains() -> list[str]:
+    out = subprocess.run(["virsh", "-c", "qemu:///system", "list", "--all", "--name"], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return [name for name in out.stdout.split() if name.startswith("imagebuilder-")]
+
+
+@pytest.fixture(scope="session")
+def full_build(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Build]:
+    """One lock and one build of the fixture definition, shared by the tests that read its outputs."""
+    base = tmp_path_factory.mktemp("full-build")
+    definition = variant(base, {})
+    lock = base / "fixture-node.lock.json"
+    locked = imagebuilder(env, "lock", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache))
+    assert locked.returncode == 0, f"imagebuilder lock failed:\n{locked.stderr[-5000:]}"
+    out, work = base / "out", work_dir(base)
+    wait_for_other_vms()
+    started = time.monotonic()
+    built = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
+                         "--out", str(out), "--work-dir", str(work))  # fmt: skip
+    seconds = time.monotonic() - started
+    assert built.returncode == 0, f"imagebuilder build failed ({built.returncode}):\n{built.stderr[-8000:]}"
+    folder = Path(built.stdout.strip().splitlines()[-1])
+    print(f"\nfull fixture build: {seconds:.0f} s -> {folder}")
+    yield Build(definition, lock, out, work, folder, seconds, built.stderr)
+    shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,133 @@
+"""How builds fail: a tampered payload before any VM starts; an installer error, diagnosed from its console
+and logs; a hang, caught by the idle watchdog; and Ctrl-C, which leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    REPO,
+    Build,
+    Env,
+    domains,
+    extras_source,
+    imagebuilder,
+    variant,
+    wait_for_other_vms,
+    work_dir,
+)
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(3600)]
+SPIRE = "/spire/v1.14.1/spire-1.14.1-linux-amd64-musl.tar.gz"
+
+
+def _no_leftovers(work: Path, out: Path) -> None:
+    assert not domains(), f"libvirt domains left behind: {domains()}"
+    assert list(work.iterdir()) == [], f"temporary files left in {work}: {list(work.iterdir())}"
+    assert not out.exists() or list(out.iterdir()) == [], f"something was published: {list(out.iterdir())}"
+    work.rmdir()
+
+
+def test_a_tampered_payload_fails_the_build_before_any_vm_starts(env: Env, full_build: Build,
+                                                                 tmp_path: Path) -> None:  # fmt: skip
+    lock = json.loads(full_build.lock.read_text())
+    spire = next(i for i in lock["inputs"] if i["key"] == "artifact/spire-agent")
+    # a cache like the shared one, except that its SPIRE entry is corrupt: it must not be used...
+    cache = tmp_path / "cache"
+    shutil.copytree(
+        env.cache, cache, copy_function=os.link, ignore=shutil.ignore_patterns("*.lock", "*.part")
+    )
+    entry = cache / "sha256" / spire["sha256"][:2] / spire["sha256"]
+    entry.unlink()
+    entry.write_bytes(b"corrupted in the cache")
+    # ...and the server now serves a tampered tarball: the build must stop in its fetch phase
+    env.payloads.tamper(SPIRE, b"a tampered spire-agent tarball")
+    work, out = work_dir(tmp_path), tmp_path / "out"
+    try:
+        started = time.monotonic()
+        result = imagebuilder(env, "build", str(full_build.definition), "--lock", str(full_build.lock),
+                              "--cache-dir", str(cache), "--out", str(out), "--work-dir", str(work))  # fmt: skip
+        seconds = time.monotonic() - started
+    finally:
+        del env.payloads.overrides[SPIRE]
+    assert result.returncode == 5, result.stderr[-3000:]  # VerificationError
+    assert "spire-agent: no source served the pinned content" in result.stderr
+    assert "cache entry" in result.stderr and "is corrupt" in result.stderr
+    assert "== install" not in result.stderr and "build VM" not in result.stderr
+    assert seconds < 120
+    _no_leftovers(work, out)
+
+
+def _variant_build(
+    env: Env, tmp_path: Path, name: str, package: str, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], Path, float]:
+    definition = variant(
+        tmp_path, {"name": name, "apt_sources+": [extras_source(env)], "packages+": [package]}
+    )
+    lock = tmp_path / f"{name}.lock.json"
+    locked = imagebuilder(env, "lock", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache))
+    assert locked.returncode == 0, locked.stderr[-3000:]
+    work = work_dir(tmp_path)
+    wait_for_other_vms()
+    started = time.monotonic()
+    result = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
+                          "--out", str(tmp_path / "out"), "--work-dir", str(work), *extra)  # fmt: skip
+    return result, work, time.monotonic() - started
+
+
+def test_an_installer_error_is_diagnosed_from_its_console(env: Env, tmp_path: Path) -> None:
+    result, work, seconds = _variant_build(env, tmp_path, "fixture-fails", "nodetrust-fixture-fails")
+    assert result.returncode == 6, result.stderr[-5000:]  # InstallerError
+    error = result.stderr[result.stderr.index("imagebuilder: error:") :]
+    assert "the installer failed: subiquity/Late/run" in error
+    assert "--- installer logs (error-commands) ---" in error
+    assert "nodetrust-fixture-fails" in error
+    assert "(error-commands dumped no logs)" not in error
+    print(f"\ninstaller error diagnosed after {seconds:.0f} s")
+    _no_leftovers(work, tmp_path / "out")
+
+
+def test_a_hanging_installer_is_caught_by_the_watchdog(env: Env, tmp_path: Path) -> None:
+    result, work, seconds = _variant_build(
+        env, tmp_path, "fixture-hangs", "nodetrust-fixture-hangs", "--idle-limit", "late=60"
+    )
+    assert result.returncode == 6, result.stderr[-5000:]
+    error = result.stderr[result.stderr.index("imagebuilder: error:") :]
+    assert "the staging late-command showed no progress for 6" in error and "(idle limit 60 s)" in error
+    assert "nodetrust-stage: apt install" in error  # the console tail shows where it stopped
+    print(f"\nhang caught after {seconds:.0f} s")
+    _no_leftovers(work, tmp_path / "out")
+
+
+def test_sigint_mid_build_leaves_no_domain_no_temporary_files_no_output(env: Env, full_build: Build,
+                                                                          tmp_path: Path) -> None:  # fmt: skip
+    work, out = work_dir(tmp_path), tmp_path / "out"
+    wait_for_other_vms()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "imagebuilder.cli", "build", str(full_build.definition), "--lock", str(full_build.lock),
+         "--cache-dir", str(env.cache), "--out", str(out), "--work-dir", str(work)],
+        cwd=REPO, env=env.environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        while not any(p.stat().st_size > 0 for p in work.glob("*/console.log")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the installer never printed on its console"
+            time.sleep(1)
+        assert domains(), "no build VM while the installer runs"
+        proc.send_signal(signal.SIGINT)
+        _stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert "interrupted; the build was cleaned up" in stderr
+    _no_leftovers(work, out)
