@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def nodeagent(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[bytes]:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("NODEAGENT_POOL_PROFILE", "LD_LIBRARY_PATH")}
+    full_env = {
+        k: v for k, v in os.environ.items() if k not in ("NODEAGENT_POOL_PROFILE", "LD_LIBRARY_PATH")
+    }
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "agent.cli", "check", *args],
