@@ -442,7 +442,8 @@ class Watcher:
         else:
             what = f"the install finished but the VM did not power off within {idle:.0f} s"
             hint = "the installer should power off (shutdown: poweroff); see the console's last lines"
-        self._fail(f"{what} (idle limit {limit} s)", hint=hint)
+        last = next((line.strip() for line in reversed(self.console.recent) if line.strip()), "")
+        self._fail(f"{what} (idle limit {limit} s); last console line: {last!r}", hint=hint)
 
     def run(self) -> WatchResult:
         while True:
