@@ -71,8 +71,11 @@ def webhook_url(token: str) -> str:
     return f"http://{GUEST_LISTENER}/nodetrust/{token}/events"
 
 
-def user_data(defn: Definition, *, webhook: str | None) -> str:
-    """The ``#cloud-config`` with the ``autoinstall:`` section for this definition."""
+def user_data(defn: Definition, *, webhook: str | None, data_port: str = DATA_PORT) -> str:
+    """The ``#cloud-config`` with the ``autoinstall:`` section for this definition.
+
+    ``data_port`` is the guest device of the builder's data port (``/dev/ttyS1`` on amd64,
+    the virtio console ``/dev/hvc0`` on arm64, see :mod:`imagebuilder.domain`)."""
     values: dict[str, Any] = {
         "source": {"id": defn.installer.source_id} if defn.installer.source_id else None,
         "ssh_install_server": defn.ssh.install_server,
@@ -81,7 +84,7 @@ def user_data(defn: Definition, *, webhook: str | None) -> str:
         # and the target's cloud-init is cleaned for the node's own first boot.
         "user_data": {"disable_root": True},
         "webhook": {"type": "webhook", "endpoint": webhook, "level": "DEBUG"} if webhook else None,
-        "data_port": DATA_PORT,
+        "data_port": data_port,
     }
     rendered = render(template_text(USER_DATA_TEMPLATE), values)
     if not rendered.startswith("#cloud-config\n"):

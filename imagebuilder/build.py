@@ -280,7 +280,7 @@ class Build:
         shutil.rmtree(tree)
         self.token = secrets.token_hex(16)
         webhook = autoinstall.webhook_url(self.token) if self.network == "listener" else None
-        user_data = autoinstall.user_data(defn, webhook=webhook)
+        user_data = autoinstall.user_data(defn, webhook=webhook, data_port=DATA_PORT[defn.architecture])
         (work / "user-data").write_text(user_data, encoding="utf-8")
         self.extra_inputs.append(
             {
@@ -343,8 +343,6 @@ class Build:
                 listener_port=listener.port if listener is not None else None,
                 extra=owner_metadata(),
             )
-            if DATA_PORT[defn.architecture] != autoinstall.DATA_PORT and defn.architecture == "amd64":
-                raise BuildError("the data port of the template and the domain disagree")
             dom = stack.enter_context(conn.domain(domain_xml(spec)))
             log.info("installing (console: %s)", console)
             result = Watcher(dom, console, data, listener, self.watchdog).run()

@@ -135,3 +135,14 @@ def test_an_unreachable_daemon_names_the_fix() -> None:
     with pytest.raises(VmError, match="cannot connect to libvirt") as caught:
         Connection("qemu+unix:///system?socket=/nonexistent/libvirt-sock")
     assert "scripts/services.sh start" in caught.value.hint
+
+
+def test_arm64_uses_the_virt_machine_and_a_virtio_data_port(tmp_path: Path) -> None:
+    root = _parse(domain_xml(spec(tmp_path, arch="arm64", loader=Path("/x/AAVMF_CODE.fd"),
+                                  nvram_template=Path("/x/AAVMF_VARS.fd"))))  # fmt: skip
+    assert root.find("os/type").get("machine") == "virt"  # type: ignore[union-attr]
+    assert root.find("os/type").get("arch") == "aarch64"  # type: ignore[union-attr]
+    assert root.find("devices/disk[@device='cdrom']/target").get("bus") == "scsi"  # type: ignore[union-attr]
+    console = root.find("devices/console")
+    assert console is not None and console.find("target").get("type") == "virtio"  # type: ignore[union-attr]
+    assert root.find("devices/panic") is None
