@@ -122,6 +122,9 @@ class Cache:
             mismatches: list[str] = []
             partial = self.root / "partial" / f"{key}.part"
             for url in urls:
+                if sha256 is None:
+                    # nothing pins the content: never splice a resumed download onto what another source sent
+                    partial.unlink(missing_ok=True)
                 try:
                     download(url, partial, name=name)
                 except FetchError as exc:
@@ -132,7 +135,9 @@ class Cache:
                 actual = sha256_file(partial)
                 if (sha256 is not None and actual != sha256) or (size is not None and got != size):
                     mismatches.append(f"{url} served sha256 {actual} ({got} bytes)")
-                    log.error("%s: %s, expected %s; discarding it", name, mismatches[-1], sha256)
+                    log.error(
+                        "%s: %s, expected %s; discarding it", name, mismatches[-1], sha256 or f"{size} bytes"
+                    )
                     partial.unlink(missing_ok=True)
                     continue
                 target = self.entry(actual)
