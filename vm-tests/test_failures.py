@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,15 +30,24 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(3600)]
 SPIRE = "/spire/v1.14.1/spire-1.14.1-linux-amd64-musl.tar.gz"
 
 
+@pytest.fixture
+def work(tmp_path: Path) -> Iterator[Path]:
+    """The build's --work-dir, reachable by QEMU; removed after the test whatever happened."""
+    path = work_dir(tmp_path)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _no_leftovers(work: Path, out: Path) -> None:
     assert not domains(), f"libvirt domains left behind: {domains()}"
     assert list(work.iterdir()) == [], f"temporary files left in {work}: {list(work.iterdir())}"
     assert not out.exists() or list(out.iterdir()) == [], f"something was published: {list(out.iterdir())}"
-    work.rmdir()
 
 
-def test_a_tampered_payload_fails_the_build_before_any_vm_starts(env: Env, full_build: Build,
-                                                                 tmp_path: Path) -> None:  # fmt: skip
+def test_a_tampered_payload_fails_the_build_before_any_vm_starts(env: Env, full_build: Build, tmp_path: Path,
+                                                                 work: Path) -> None:  # fmt: skip
     lock = json.loads(full_build.lock.read_text())
     spire = next(i for i in lock["inputs"] if i["key"] == "artifact/spire-agent")
     # a cache like the shared one, except that its SPIRE entry is corrupt: it must not be used...
@@ -50,7 +60,7 @@ def test_a_tampered_payload_fails_the_build_before_any_vm_starts(env: Env, full_
     entry.write_bytes(b"corrupted in the cache")
     # ...and the server now serves a tampered tarball: the build must stop in its fetch phase
     env.payloads.tamper(SPIRE, b"a tampered spire-agent tarball")
-    work, out = work_dir(tmp_path), tmp_path / "out"
+    out = tmp_path / "out"
     try:
         started = time.monotonic()
         result = imagebuilder(env, "build", str(full_build.definition), "--lock", str(full_build.lock),
@@ -67,24 +77,23 @@ def test_a_tampered_payload_fails_the_build_before_any_vm_starts(env: Env, full_
 
 
 def _variant_build(
-    env: Env, tmp_path: Path, name: str, package: str, *extra: str
-) -> tuple[subprocess.CompletedProcess[str], Path, float]:
+    env: Env, tmp_path: Path, work: Path, name: str, package: str, *extra: str
+) -> tuple[subprocess.CompletedProcess[str], float]:
     definition = variant(
         tmp_path, {"name": name, "apt_sources+": [extras_source(env)], "packages+": [package]}
     )
     lock = tmp_path / f"{name}.lock.json"
     locked = imagebuilder(env, "lock", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache))
     assert locked.returncode == 0, locked.stderr[-3000:]
-    work = work_dir(tmp_path)
     wait_for_other_vms()
     started = time.monotonic()
     result = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
                           "--out", str(tmp_path / "out"), "--work-dir", str(work), *extra)  # fmt: skip
-    return result, work, time.monotonic() - started
+    return result, time.monotonic() - started
 
 
-def test_an_installer_error_is_diagnosed_from_its_console(env: Env, tmp_path: Path) -> None:
-    result, work, seconds = _variant_build(env, tmp_path, "fixture-fails", "nodetrust-fixture-fails")
+def test_an_installer_error_is_diagnosed_from_its_console(env: Env, tmp_path: Path, work: Path) -> None:
+    result, seconds = _variant_build(env, tmp_path, work, "fixture-fails", "nodetrust-fixture-fails")
     assert result.returncode == 6, result.stderr[-5000:]  # InstallerError
     error = result.stderr[result.stderr.index("imagebuilder: error:") :]
     assert "the installer failed: subiquity/Late/run" in error
@@ -95,9 +104,9 @@ def test_an_installer_error_is_diagnosed_from_its_console(env: Env, tmp_path: Pa
     _no_leftovers(work, tmp_path / "out")
 
 
-def test_a_hanging_installer_is_caught_by_the_watchdog(env: Env, tmp_path: Path) -> None:
-    result, work, seconds = _variant_build(
-        env, tmp_path, "fixture-hangs", "nodetrust-fixture-hangs", "--idle-limit", "late=60"
+def test_a_hanging_installer_is_caught_by_the_watchdog(env: Env, tmp_path: Path, work: Path) -> None:
+    result, seconds = _variant_build(
+        env, tmp_path, work, "fixture-hangs", "nodetrust-fixture-hangs", "--idle-limit", "late=60"
     )
     assert result.returncode == 6, result.stderr[-5000:]
     error = result.stderr[result.stderr.index("imagebuilder: error:") :]
@@ -108,8 +117,8 @@ def test_a_hanging_installer_is_caught_by_the_watchdog(env: Env, tmp_path: Path)
 
 
 def test_sigint_mid_build_leaves_no_domain_no_temporary_files_no_output(env: Env, full_build: Build,
-                                                                          tmp_path: Path) -> None:  # fmt: skip
-    work, out = work_dir(tmp_path), tmp_path / "out"
+                                                                          tmp_path: Path, work: Path) -> None:  # fmt: skip
+    out = tmp_path / "out"
     wait_for_other_vms()
     proc = subprocess.Popen(
         [sys.executable, "-m", "imagebuilder.cli", "build", str(full_build.definition), "--lock", str(full_build.lock),
