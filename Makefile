@@ -20,7 +20,7 @@ deps:
 lint: deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy protocol agent server imagebuilder tests bench scripts
+	$(VENV)/bin/mypy protocol agent server imagebuilder tests bench scripts vm-tests fixtures
 
 proto: deps
 	$(PY) scripts/genproto.py

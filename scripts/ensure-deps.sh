@@ -17,7 +17,7 @@ APT_PACKAGES=(
   qemu-system-x86 qemu-utils ovmf
   # ISO, seed and root file system tools for the fixture installer
   xorriso mtools dosfstools debootstrap cpio zstd e2fsprogs fdisk squashfs-tools busybox-static
-  util-linux dpkg-dev shellcheck
+  util-linux dpkg-dev shellcheck gnupg gpgv
   # PostgreSQL for the HA store tests
   postgresql
 )

@@ -44,6 +44,12 @@ stop_one() {
 case "${1:-}" in
   start)
     mkdir -p /var/run/libvirt /var/log/libvirt/qemu
+    # QEMU runs as libvirt-qemu; it must be in /dev/kvm's group, or libvirt re-probes QEMU on every
+    # domain start (~100 s each). Idempotent.
+    if [ -e /dev/kvm ] && id libvirt-qemu >/dev/null 2>&1; then
+      kvm_group=$(stat -c %G /dev/kvm)
+      id -nG libvirt-qemu | tr ' ' '\n' | grep -qx "$kvm_group" || usermod -aG "$kvm_group" libvirt-qemu
+    fi
     start_one virtlogd /usr/sbin/virtlogd
     start_one libvirtd /usr/sbin/libvirtd
     ;;
