@@ -27,7 +27,7 @@ fi
 if [ "$what" = all ] || [ "$what" = vm ]; then
   echo "== vm-tests"
   rc=0
-  python -m pytest vm-tests tests -q -p no:cacheprovider -m vm || rc=$?
+  python -m pytest vm-tests tests -q -p no:cacheprovider -m vm --durations=0 || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "vm-tests: no VM tests were collected (exit 5): that is a failure, not a skip" >&2
   fi
