@@ -3,32 +3,14 @@
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
+
+from protocol.files import write_atomic
+
+__all__ = ["ensure_private_dir", "write_atomic"]
 
 
 def ensure_private_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
-
-
-def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Replace ``path`` with ``data`` so that readers see the old or the new file, never a mix."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

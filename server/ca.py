@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
-import secrets
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from protocol.files import write_atomic
 from protocol.spiffe import SpiffeId, server_id
 from server.errors import ConfigError, InvalidRequestError
 
@@ -38,27 +38,6 @@ _MAX_CSR_BYTES = 16 * 1024
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-def write_private(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write ``data`` atomically with ``mode`` (write to a temp file, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -167,8 +146,8 @@ class CertificateAuthority:
             )
             .sign(key, hashes.SHA256())
         )
-        write_private(key_path, _key_pem(key))
-        write_private(cert_path, cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
+        write_atomic(key_path, _key_pem(key))
+        write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), mode=0o644)
         log.warning("created a new CA for trust domain %s in %s", trust_domain, data_dir)
         return cls(trust_domain, key, cert)
 
@@ -339,8 +318,8 @@ class ServerSvid:
         with self._lock:
             key = ec.generate_private_key(ec.SECP256R1())
             svid = self._ca.issue_server_svid(key, self._ttl, self._dns)
-            write_private(self._dir / SERVER_KEY, _key_pem(key))
-            write_private(
+            write_atomic(self._dir / SERVER_KEY, _key_pem(key))
+            write_atomic(
                 self._dir / SERVER_CERT, svid.cert.public_bytes(serialization.Encoding.PEM), mode=0o644
             )
             self._set(key, svid.cert)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from server.ca import write_private
+from protocol.files import write_atomic
 from server.errors import ConfigError, TokenBackendError, TokenConflictError
 from server.tokens.token import BootstrapToken, secret_manifest, secret_name
 
@@ -89,7 +89,7 @@ class FileBackend:
             raise TokenConflictError(f"{path} already exists: mint a new token and retry")
         data = _HEADER + yaml.safe_dump(secret_manifest(token), sort_keys=False, default_flow_style=False)
         try:
-            write_private(path, data.encode(), mode=0o600)
+            write_atomic(path, data.encode(), mode=0o600)
         except OSError as exc:
             raise TokenBackendError(f"cannot write {path}: {exc.strerror}") from exc
         log.info("wrote bootstrap token %s to %s", token.token_id, path)
