@@ -1,11 +1,18 @@
 #!/bin/sh
-# nodetrust image builder: the late-command that installs the staging medium into the target.
+# nodetrust image builder: the one script that puts things into the target, for both runs of a build.
 #
 #   sh stage.sh TARGET MEDIUM DATA_PORT
 #
-# Runs in the installer environment (subiquity's late-commands, or the fixture's), with
-# the installed system mounted at TARGET and the staging medium (label NTSTAGE) at MEDIUM.
-# It follows MEDIUM/plan.tsv, written by `imagebuilder build` (imagebuilder/staging.py):
+# It follows MEDIUM/plan.tsv, written by `imagebuilder build` (imagebuilder/staging.py), and runs
+#
+#  * in the installer, as a late-command (the installed system mounted at TARGET=/target, the base
+#    medium at MEDIUM): what must happen at install time, the base plan; its result is the installed
+#    base that builds cache and reuse;
+#  * in the provisioning boot of that base (TARGET=/: the base's own kernel with
+#    cloud-init/provision-init.sh as PID 1, the staging medium at MEDIUM): everything else, the
+#    staging plan.
+#
+# Plan entries, one per line, tab-separated:
 #
 #   apt      PKG...                 install from MEDIUM/apt (a flat apt repository)
 #   hold     PKG...                 apt-mark hold
@@ -16,21 +23,38 @@
 #   enable   UNIT NEED              systemctl enable UNIT; NEED is required or optional (skip if absent)
 #   user     NAME SUDO SHELL KEYS   a local user, password locked, with KEYS (a file on MEDIUM or -)
 #   sshd     PASSWORD               sshd policy: PASSWORD yes|no; "disable" turns the server off
+#   export   SERIAL                 the target's kernel and initrd, as a tar, onto the raw disk whose
+#                                   serial is SERIAL; their digests and the root file system on DATA_PORT
+#   report                          the installed packages (dpkg-query, read inside the target) and the
+#                                   used size of the root file system on DATA_PORT
+#   generalise                      no machine-id, no SSH host keys, no installer cloud-init state
+#   trim                            fstrim the root file system (freed blocks leave the QCOW2)
 #
-# Progress goes to the console; the package list (dpkg-query, read inside the target),
-# the installed size and a completion marker go to DATA_PORT (a second serial port the
-# builder reads). Every step must succeed: a failure fails the install, and the
-# installer's error-commands report it.
+# Progress goes to the console, with the seconds since the machine booted; the data (package list,
+# size, boot files) and the markers NODETRUST-STAGE-BEGIN / NODETRUST-STAGE-DONE go to DATA_PORT (a
+# second serial port the builder reads). Every step must succeed: a failure stops the script with a
+# non-zero status, which fails the install (the installer's error-commands report it) or the
+# provisioning boot (provision-init.sh reports NODETRUST-STAGE-FAILED).
 set -eu
 T=$1
 M=$2
 DATA=$3
+[ "$T" = / ] && T=""  # paths below are "$T$path": absolute in the running system, under /target in the installer
 IN=/var/lib/nodetrust-staging  # the medium, as seen inside the target
 TAB=$(printf '\t')
 
-say() { echo "nodetrust-stage: $*" > /dev/console 2>/dev/null || echo "nodetrust-stage: $*"; }
+say() {
+  up=$(cut -d' ' -f1 /proc/uptime 2>/dev/null || echo "?")
+  echo "nodetrust-stage: [${up}s] $*" > /dev/console 2>/dev/null || echo "nodetrust-stage: [${up}s] $*"
+}
 data() { printf '%s\n' "$*" > "$DATA"; }
-intarget() { curtin in-target --target "$T" -- "$@"; }
+intarget() {
+  if [ -z "$T" ]; then
+    "$@"
+  else
+    curtin in-target --target "$T" -- "$@"
+  fi
+}
 apt_target() {
   intarget env DEBIAN_FRONTEND=noninteractive apt-get \
     -o Dir::Etc::SourceList=/etc/apt/nodetrust-staging.list \
@@ -38,19 +62,36 @@ apt_target() {
     -o APT::Get::List-Cleanup=false -o Acquire::Languages=none \
     -o Dpkg::Options::=--force-confold "$@"
 }
+# The newest of the given candidates that exists, else of the glob (vmlinuz, vmlinuz-6.8.0-...).
+boot_file() {
+  for candidate in "$T/boot/$1" "$T/$1"; do
+    [ -e "$candidate" ] && { echo "$candidate"; return 0; }
+  done
+  # shellcheck disable=SC2012  # plain kernel file names
+  newest=$(ls -1 "$T/boot/$1"-* 2>/dev/null | sort -V | tail -n 1)
+  [ -n "$newest" ] && echo "$newest"
+}
 
 [ -c "$DATA" ] || { say "the data port $DATA does not exist"; exit 1; }
 [ -f "$M/plan.tsv" ] || { say "$M/plan.tsv is missing: is $M the staging medium?"; exit 1; }
-say "staging from $M into $T"
+say "staging from $M into ${T:-/}"
 data "NODETRUST-STAGE-BEGIN"
 
 mkdir -p "$T$IN"
 mount --bind "$M" "$T$IN"
+policy=""
+if [ -z "$T" ] && [ ! -e /usr/sbin/policy-rc.d ]; then
+  # No daemon may start while packages are installed (curtin in-target does the same in the installer).
+  printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d
+  chmod 0755 /usr/sbin/policy-rc.d
+  policy=/usr/sbin/policy-rc.d
+fi
 cleanup() {
   umount "$T$IN" 2>/dev/null || true
   rmdir "$T$IN" 2>/dev/null || true
   rm -rf "$T/etc/apt/nodetrust-staging.list" "$T/etc/apt/nodetrust-staging.d"
   rm -f "$T"/var/lib/apt/lists/*nodetrust-staging* 2>/dev/null || true
+  [ -z "$policy" ] || rm -f "$policy"
 }
 trap cleanup EXIT
 
@@ -70,6 +111,7 @@ while IFS="$TAB" read -r kind a b c d <&3; do
       say "apt install $a"
       # shellcheck disable=SC2086  # a is a space-separated package list
       apt_target install -y --no-install-recommends $a
+      intarget apt-get clean
       ;;
     hold)
       say "apt-mark hold $a"
@@ -96,6 +138,7 @@ while IFS="$TAB" read -r kind a b c d <&3; do
       intarget python3 -m venv --without-pip "$a"
       intarget "$a/bin/python" "$IN/wheels/$c/pip" install --no-index --no-cache-dir \
         --disable-pip-version-check --only-binary=:all: --find-links "$IN/wheels" "$b"
+      say "venv $a: installed"
       ;;
     enable)
       if [ "$b" = optional ] && [ ! -e "$T/usr/lib/systemd/system/$a" ] && [ ! -e "$T/lib/systemd/system/$a" ] \
@@ -135,6 +178,64 @@ while IFS="$TAB" read -r kind a b c d <&3; do
           > "$T/etc/ssh/sshd_config.d/60-nodetrust.conf"
       fi
       ;;
+    export)
+      # The provisioning boot starts the base's own kernel directly: hand kernel and initrd to the builder.
+      dev=""
+      for serial in /sys/block/*/serial; do
+        [ "$(cat "$serial" 2>/dev/null)" = "$a" ] && dev=/dev/$(basename "$(dirname "$serial")")
+      done
+      [ -n "$dev" ] || { say "no disk with serial $a to export the boot files to"; exit 1; }
+      kernel=$(boot_file vmlinuz) || true
+      initrd=$(boot_file initrd.img) || true
+      if [ -z "$kernel" ] || [ -z "$initrd" ]; then
+        say "no kernel or initrd in $T/boot"
+        exit 1
+      fi
+      root=$(findmnt -no UUID --target "${T:-/}" 2>/dev/null || true)
+      [ -n "$root" ] || root=$(blkid -s UUID -o value "$(df --output=source "${T:-/}" | tail -n 1)")
+      [ -n "$root" ] || { say "cannot tell the UUID of the root file system"; exit 1; }
+      out=$(mktemp -d)
+      cp -L "$kernel" "$out/vmlinuz"
+      cp -L "$initrd" "$out/initrd.img"
+      say "export $kernel and $initrd to $dev (root UUID=$root)"
+      tar -C "$out" -cf - vmlinuz initrd.img | dd of="$dev" bs=1M conv=fsync status=none
+      data "NODETRUST-BOOT root=UUID=$root" \
+        "vmlinuz=$(sha256sum < "$out/vmlinuz" | cut -d' ' -f1):$(wc -c < "$out/vmlinuz")" \
+        "initrd.img=$(sha256sum < "$out/initrd.img" | cut -d' ' -f1):$(wc -c < "$out/initrd.img")"
+      rm -rf "$out"
+      ;;
+    report)
+      # The package list, read inside the target; the builder checks count and digest.
+      say "reporting the installed packages"
+      list=$(mktemp)
+      # shellcheck disable=SC2016  # dpkg-query's format, not shell expansions
+      intarget dpkg-query -W -f '${binary:Package}\t${Version}\t${Architecture}\n' | LC_ALL=C sort > "$list"
+      count=$(wc -l < "$list")
+      digest=$(sha256sum "$list" | cut -d' ' -f1)
+      {
+        echo "NODETRUST-PACKAGES-BEGIN"
+        cat "$list"
+        echo "NODETRUST-PACKAGES-END $count $digest"
+      } > "$DATA"
+      rm -f "$list"
+      data "NODETRUST-INSTALLED-SIZE $(df -B1 --output=used "${T:-/}" | tail -n 1 | tr -d ' ')"
+      ;;
+    generalise)
+      # No identity, no host keys, no first-boot state from the installer or the provisioning boot.
+      say "generalising the image"
+      : > "$T/etc/machine-id"
+      rm -f "$T/var/lib/dbus/machine-id" "$T"/etc/ssh/ssh_host_* "$T/var/lib/systemd/random-seed"
+      # The node's own first boot must run cloud-init from its datasource (the node pool's release), not the
+      # installer's: drop what the installer configured (its clean.d hook does this on newer cloud-init).
+      if [ -x "$T/usr/bin/cloud-init" ]; then
+        intarget cloud-init clean --logs >/dev/null 2>&1 || true
+      fi
+      rm -f "$T/etc/cloud/cloud.cfg.d/99-installer.cfg" "$T/etc/cloud/cloud.cfg.d/90-installer-network.cfg" \
+        "$T/etc/cloud/ds-identify.cfg" "$T/etc/cloud/cloud-init.disabled"
+      ;;
+    trim)
+      fstrim "${T:-/}" >/dev/null 2>&1 || true
+      ;;
     *)
       say "unknown plan entry: $kind"
       exit 1
@@ -143,37 +244,7 @@ while IFS="$TAB" read -r kind a b c d <&3; do
 done
 exec 3<&-
 
-if [ "$apt_ready" = yes ]; then
-  intarget apt-get clean
-fi
-
-# The package list, read inside the installed target; the builder checks count and digest.
-say "reporting the installed packages"
-# shellcheck disable=SC2016  # dpkg-query's format, not shell expansions
-intarget dpkg-query -W -f '${binary:Package}\t${Version}\t${Architecture}\n' | LC_ALL=C sort > /tmp/nodetrust-packages.tsv
-count=$(wc -l < /tmp/nodetrust-packages.tsv)
-digest=$(sha256sum /tmp/nodetrust-packages.tsv | cut -d' ' -f1)
-{
-  echo "NODETRUST-PACKAGES-BEGIN"
-  cat /tmp/nodetrust-packages.tsv
-  echo "NODETRUST-PACKAGES-END $count $digest"
-} > "$DATA"
-
-# Generalise: no identity, no host keys, no first-boot state from the installer.
-say "generalising the image"
-: > "$T/etc/machine-id"
-rm -f "$T/var/lib/dbus/machine-id" "$T"/etc/ssh/ssh_host_*
-# The node's own first boot must run cloud-init from its datasource (the node pool's release), not the
-# installer's: drop what the installer configured (its clean.d hook does this on newer cloud-init).
-if [ -x "$T/usr/bin/cloud-init" ]; then
-  intarget cloud-init clean --logs >/dev/null 2>&1 || true
-fi
-rm -f "$T/etc/cloud/cloud.cfg.d/99-installer.cfg" "$T/etc/cloud/cloud.cfg.d/90-installer-network.cfg" \
-  "$T/etc/cloud/ds-identify.cfg" "$T/etc/cloud/cloud-init.disabled"
-
-data "NODETRUST-INSTALLED-SIZE $(df -B1 --output=used "$T" | tail -n 1 | tr -d ' ')"
 cleanup
 trap - EXIT
-fstrim "$T" >/dev/null 2>&1 || true
 data "NODETRUST-STAGE-DONE"
 say "done"

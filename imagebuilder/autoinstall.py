@@ -1,7 +1,7 @@
 """The autoinstall user-data and NoCloud meta-data, rendered from the templates in ``cloud-init/``.
 
-The canonical templates are ``cloud-init/autoinstall-user-data.yaml.tmpl`` and
-``cloud-init/stage.sh`` at the repository root; ``imagebuilder/templates/`` holds
+The canonical templates are ``cloud-init/autoinstall-user-data.yaml.tmpl``,
+``cloud-init/stage.sh`` and ``cloud-init/provision-init.sh`` at the repository root; ``imagebuilder/templates/`` holds
 identical copies (package data) used when the builder runs from an installed package.
 A test keeps the two in step.
 
@@ -25,8 +25,13 @@ from imagebuilder.errors import BuildError
 
 USER_DATA_TEMPLATE = "autoinstall-user-data.yaml.tmpl"
 STAGE_SCRIPT = "stage.sh"
+PROVISION_INIT = "provision-init.sh"
 # package data names (setuptools ships *.tmpl)
-_PACKAGED = {USER_DATA_TEMPLATE: USER_DATA_TEMPLATE, STAGE_SCRIPT: "stage.sh.tmpl"}
+_PACKAGED = {
+    USER_DATA_TEMPLATE: USER_DATA_TEMPLATE,
+    STAGE_SCRIPT: "stage.sh.tmpl",
+    PROVISION_INIT: "provision-init.sh.tmpl",
+}
 CANONICAL_DIR = Path(__file__).resolve().parent.parent / "cloud-init"
 DATA_PORT = "/dev/ttyS1"
 GUEST_LISTENER = "10.0.2.100:8080"

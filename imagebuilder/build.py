@@ -32,16 +32,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from imagebuilder import autoinstall, media, outputs, staging, wheelhouse
+from imagebuilder import autoinstall, base, boottest, media, outputs, staging, wheelhouse
 from imagebuilder.accel import choose_accel
 from imagebuilder.cache import Cache
 from imagebuilder.definition import Definition, load_definition
-from imagebuilder.domain import DATA_PORT, DomainSpec, domain_xml, find_firmware, kernel_cmdline
+from imagebuilder.domain import (
+    DATA_PORT,
+    DomainSpec,
+    domain_xml,
+    find_firmware,
+    kernel_cmdline,
+    provision_cmdline,
+)
 from imagebuilder.errors import BuildError, LockError
 from imagebuilder.lock import Lock, LockedInput, check_lock, default_lock_path, load_lock
 from imagebuilder.run import run, tool_version
 from imagebuilder.vm import DOMAIN_PREFIX, Connection, owner_metadata, remove_orphans
-from imagebuilder.watch import EventListener, Watcher
+from imagebuilder.watch import EventListener, ProvisionWatcher, Watcher, WatchResult
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,9 @@ class BuildOptions:
     network: str | None = None
     idle_limits: dict[str, int] = field(default_factory=dict)
     keep_work: bool = False
+    base_cache: Path | None = None  # default: <cache_dir>/bases
+    full: bool = False  # install the base again even when the cache has it
+    boot_test: bool = True  # boot the image, check it from inside before publishing (boottest)
 
 
 @dataclass
@@ -115,6 +125,11 @@ def _check_reachable(root: Path) -> None:
             )
 
 
+def _reachable(path: Path) -> bool:
+    """Whether QEMU (another user) can enter ``path``: every parent traversable by others."""
+    return all(os.stat(p).st_mode & 0o001 for p in [path.resolve(), *path.resolve().parents])
+
+
 def _work_dir(opts: BuildOptions, build_id: str) -> Path:
     root = opts.work_root or Path(os.environ.get("TMPDIR", "/var/tmp"))  # noqa: S108 - a private mkdtemp below
     root.mkdir(parents=True, exist_ok=True)
@@ -134,6 +149,8 @@ class Build:
         lock_path = opts.lock or default_lock_path(self.defn.path)
         self.lock: Lock = load_lock(lock_path)
         self.cache = Cache(opts.cache_dir)
+        self.base_cache = base.BaseCache(opts.base_cache or opts.cache_dir / "bases")
+        base.check_disk_size(self.defn)
         self.build_id = new_build_id(self.defn.name)
         self.watchdog = dataclasses.replace(self.defn.watchdog, **opts.idle_limits)
         self.network = opts.network or self.defn.network
@@ -248,15 +265,22 @@ class Build:
         requirement: str,
         pip_wheel: str,
     ) -> None:
+        """The base medium and the base's key; the staging medium."""
         defn = self.defn
-        iso = next(f.path for f in files if f.item.key == "iso")
-        self.paths["iso"] = work / "installer.iso"
-        staging.place(iso, self.paths["iso"])
-        self.paths["kernel"], self.paths["initrd"] = work / "vmlinuz", work / "initrd"
-        media.extract(
-            self.paths["iso"],
-            {defn.installer.kernel: self.paths["kernel"], defn.installer.initrd: self.paths["initrd"]},
+        self.files = files
+        self.base_keys = staging.split_apt(defn, files, self.lock.base_packages)
+        base_tree = work / "base-medium"
+        staging.base_tree(base_tree, defn, files, self.base_keys)
+        self.paths["base_tree"] = base_tree
+        iso_sha256 = next(f.item.sha256 for f in files if f.item.key == "iso")
+        self.base_material = base.base_material(
+            defn,
+            iso_sha256=iso_sha256,
+            user_data=self._user_data(webhook=None),
+            medium_digest=staging.tree_digest(base_tree),
         )
+        self.base_key = base.base_key(self.base_material)
+        log.info("installed base key: %s", self.base_key)
         info: dict[str, object] = {
             "build_id": self.build_id,
             "name": defn.name,
@@ -275,12 +299,32 @@ class Build:
             pip_wheel=pip_wheel,
             agent_requirement=requirement,
             image_info=info,
+            base_keys=self.base_keys,
         )
         self.paths["staging"] = media.make_iso(tree, work / "staging.iso", label=media.STAGING_LABEL)
         shutil.rmtree(tree)
+        self.paths["staging"].chmod(0o644)
+
+    def _user_data(self, *, webhook: str | None) -> str:
+        return autoinstall.user_data(self.defn, webhook=webhook, data_port=DATA_PORT[self.defn.architecture])
+
+    def installer_media(self, work: Path) -> None:
+        """What only the installer needs: its kernel and initrd, the base medium, the NoCloud seed."""
+        defn = self.defn
+        iso = next(f.path for f in self.files if f.item.key == "iso")
+        self.paths["iso"] = work / "installer.iso"
+        staging.place(iso, self.paths["iso"])
+        self.paths["kernel"], self.paths["initrd"] = work / "vmlinuz", work / "initrd"
+        media.extract(
+            self.paths["iso"],
+            {defn.installer.kernel: self.paths["kernel"], defn.installer.initrd: self.paths["initrd"]},
+        )
+        self.paths["base_medium"] = media.make_iso(
+            self.paths["base_tree"], work / "base-medium.iso", label=media.STAGING_LABEL
+        )
         self.token = secrets.token_hex(16)
         webhook = autoinstall.webhook_url(self.token) if self.network == "listener" else None
-        user_data = autoinstall.user_data(defn, webhook=webhook, data_port=DATA_PORT[defn.architecture])
+        user_data = self._user_data(webhook=webhook)
         (work / "user-data").write_text(user_data, encoding="utf-8")
         self.extra_inputs.append(
             {
@@ -297,19 +341,23 @@ class Build:
         self.paths["seed"] = media.make_seed(
             user_data, autoinstall.meta_data(self.build_id), work / "seed.iso"
         )
-        for key in ("kernel", "initrd", "staging", "seed"):
+        for key in ("kernel", "initrd", "base_medium", "seed"):
             self.paths[key].chmod(0o644)
 
-    def install(self, work: Path, accel: str) -> Any:
+    def install(self, work: Path, accel: str) -> WatchResult:
+        """The installer run: the installed base on ``disk.qcow2``, its boot files on the export disk."""
         defn = self.defn
         disk = work / "disk.qcow2"
         run(["qemu-img", "create", "-q", "-f", "qcow2", str(disk), defn.disk_size])
+        export = work / "export.raw"
+        with export.open("wb") as fh:
+            fh.truncate(base.EXPORT_SIZE)
         loader = nvram_template = nvram = None
         if defn.firmware == "uefi":
             loader, nvram_template = find_firmware(defn.architecture)
             nvram = work / "nvram.fd"
-        console, data = work / "console.log", work / "data.log"
-        self.paths["console"] = console
+        console, data = work / "installer-console.log", work / "installer-data.log"
+        self.paths["installer_console"] = console
         with contextlib.ExitStack() as stack:
             listener = None
             if self.network == "listener":
@@ -333,7 +381,8 @@ class Build:
                 ),
                 disk=disk,
                 cdrom=self.paths["iso"],
-                readonly_disks=(self.paths["seed"], self.paths["staging"]),
+                readonly_disks=(self.paths["seed"], self.paths["base_medium"]),
+                writable_disks=((export, staging.EXPORT_SERIAL),),
                 console_log=console,
                 data_log=data,
                 firmware=defn.firmware,
@@ -344,10 +393,95 @@ class Build:
                 extra=owner_metadata(),
             )
             dom = stack.enter_context(conn.domain(domain_xml(spec)))
-            log.info("installing (console: %s)", console)
+            log.info("installing the base (console: %s)", console)
             result = Watcher(dom, console, data, listener, self.watchdog).run()
             self.webhook_events = listener.received if listener is not None else 0
         self.paths["disk"] = disk
+        self.paths["export"] = export
+        return result
+
+    def store_base(self, work: Path, result: WatchResult) -> base.Base:
+        """The installed disk, its kernel and initrd and the installer's console into the base cache."""
+        boot = result.boot or {}
+        kernel, initrd = base.read_export(self.paths["export"], boot, work / "boot")
+        root = boot.get("root", "")
+        if not root.startswith("UUID="):
+            raise BuildError(
+                f"the installer reported no root file system UUID for the provisioning boot ({root!r})",
+                hint="see the console log around the `export` step of stage.sh",
+            )
+        record = {
+            "material": self.base_material,
+            "root": root,
+            "created_at": _iso_time(time.time()),
+            "build_id": self.build_id,
+            "installer": {
+                "events": result.events,
+                "webhook_events": getattr(self, "webhook_events", 0),
+                "network": self.network,
+                "phases": [
+                    {"name": p.name, "started_at": _iso_time(p.started_at), "duration_s": p.duration_s}
+                    for p in result.phases
+                ],
+                "installed_size": result.installed_size,
+            },
+        }
+        stored = self.base_cache.store(
+            self.base_key,
+            disk=self.paths["disk"],
+            kernel=kernel,
+            initrd=initrd,
+            console=self.paths["installer_console"],
+            record=record,
+        )
+        self.paths["disk"].unlink()
+        self.paths["export"].unlink()
+        return stored
+
+    def provision(self, work: Path, installed: base.Base, accel: str) -> WatchResult:
+        """The provisioning boot: the base's own kernel on an overlay of the base, the staging plan."""
+        defn = self.defn
+        backing = installed.disk if _reachable(installed.folder) else None
+        kernel, initrd = installed.kernel, installed.initrd
+        if backing is None:  # QEMU (libvirt-qemu) cannot enter the cache: use the work directory
+            backing = base.link_into(installed.disk, work / "base.qcow2")
+            kernel = base.link_into(installed.kernel, work / "base-vmlinuz")
+            initrd = base.link_into(installed.initrd, work / "base-initrd.img")
+        overlay = work / "image.qcow2"
+        run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(overlay)],
+            hint="qemu-img could not create the overlay on the installed base")  # fmt: skip
+        console, data = work / "console.log", work / "data.log"
+        self.paths["console"] = console
+        with contextlib.ExitStack() as stack:
+            conn = Connection(self.opts.libvirt_uri)
+            stack.callback(conn.close)
+            self.versions = conn.versions()
+            remove_orphans(conn)
+            spec = DomainSpec(
+                name=DOMAIN_PREFIX + self.build_id,
+                build_id=self.build_id,
+                arch=defn.architecture,
+                accel=accel,
+                memory_mib=defn.memory_mib,
+                cpus=defn.cpus,
+                kernel=kernel,
+                initrd=initrd,
+                cmdline=provision_cmdline(
+                    defn.architecture, installed.root, staging.PROVISION_HOOK, accel=accel
+                ),
+                disk=overlay,
+                cdrom=None,
+                readonly_disks=(self.paths["staging"],),
+                console_log=console,
+                data_log=data,
+                firmware="none",
+                backing=backing,
+                extra=owner_metadata(),
+            )
+            dom = stack.enter_context(conn.domain(domain_xml(spec)))
+            log.info("provisioning boot of the base %s (console: %s)", installed.key[:16], console)
+            result = ProvisionWatcher(dom, console, data, None, self.watchdog).run()
+        self.paths["disk"] = overlay
         return result
 
     def _kubernetes(self) -> dict[str, Any]:
@@ -361,7 +495,14 @@ class Build:
         }
 
     def manifest(
-        self, folder: Path, result: Any, image: dict[str, Any], accel: tuple[str, str]
+        self,
+        folder: Path,
+        result: WatchResult,
+        image: dict[str, Any],
+        accel: tuple[str, str],
+        *,
+        installed: base.Base,
+        installer: WatchResult | None,
     ) -> dict[str, Any]:
         defn = self.defn
         inputs = [
@@ -385,10 +526,24 @@ class Build:
             outputs.file_entry(folder / "console.log", "text/plain"),
         ]
         phases = list(self.phases.records)
+        if installer is not None:
+            phases += [
+                {
+                    "name": f"install/{p.name}",
+                    "started_at": _iso_time(p.started_at),
+                    "duration_s": p.duration_s,
+                }
+                for p in installer.phases
+            ]
         phases += [
-            {"name": f"install/{p.name}", "started_at": _iso_time(p.started_at), "duration_s": p.duration_s}
+            {
+                "name": f"provision/{p.name}",
+                "started_at": _iso_time(p.started_at),
+                "duration_s": p.duration_s,
+            }
             for p in result.phases
         ]
+        made_by = installed.record.get("installer", {})
         tools = {
             "imagebuilder": builder_version(),
             "python": platform.python_version(),
@@ -427,9 +582,21 @@ class Build:
             "image": image,
             "accelerator": {"name": accel[0], "why": accel[1]},
             "installer": {
-                "events": result.events,
-                "webhook_events": getattr(self, "webhook_events", 0),
-                "network": self.network,
+                "ran": installer is not None,
+                "events": installer.events if installer is not None else made_by.get("events", 0),
+                "webhook_events": getattr(self, "webhook_events", 0)
+                if installer is not None
+                else made_by.get("webhook_events", 0),
+                "network": self.network if installer is not None else made_by.get("network", self.network),
+            },
+            "build_path": "full" if installer is not None else "incremental",
+            "base": {
+                "key": installed.key,
+                "sha256": installed.sha256,
+                "size": installed.record["files"]["base.qcow2"]["size"],
+                "created_at": installed.record.get("created_at", ""),
+                "created_by": installed.record.get("build_id", ""),
+                "installed_size": made_by.get("installed_size"),
             },
         }
 
@@ -451,26 +618,79 @@ class Build:
                 wheels, requirement, pip_wheel = self.wheelhouse(work, files)
             with phase("media"):
                 self.media(work, files, wheels, requirement, pip_wheel)
-            with phase("accelerator"):
-                accel = choose_accel(
-                    self.opts.accel, self.paths["kernel"], self.defn.architecture, self.cache.root
-                )
-                log.info("accelerator: %s (%s)", *accel)
-            with phase("install"):
-                result = self.install(work, accel[0])
+            installed, installer, accel = self._base(work, stack)
+            if accel is None:
+                with phase("accelerator"):
+                    accel = choose_accel(
+                        self.opts.accel, installed.kernel, self.defn.architecture, self.cache.root
+                    )
+                    log.info("accelerator: %s (%s)", *accel)
+            with phase("provision"):
+                result = self.provision(work, installed, accel[0])
             partial = stack.enter_context(outputs.partial_folder(self.opts.out, self.build_id))
             with phase("image"):
                 image = outputs.convert_image(
                     self.paths["disk"], partial / f"{self.defn.name}.qcow2", compress=self.defn.compress
                 )
                 self.paths["disk"].unlink()
-            shutil.copyfile(self.paths["console"], partial / "console.log")
-            manifest = self.manifest(partial, result, image, accel)
+            self._console(partial / "console.log", installed)
+            manifest = self.manifest(partial, result, image, accel, installed=installed, installer=installer)
+            manifest["contents"] = boottest.image_contents(self.defn, files, requirement)
+            # before finish_folder (SHA256SUMS covers boot-test.json); a failed check publishes nothing
+            if self.opts.boot_test:
+                with phase("boot-test"):
+                    boottest.check_partial_folder(
+                        partial, manifest, image=partial / f"{self.defn.name}.qcow2", accel=accel[0],
+                        work_root=work, libvirt_uri=self.opts.libvirt_uri, keep_work=self.opts.keep_work,
+                    )  # fmt: skip
+                manifest["phases"].append(self.phases.records[-1])
             outputs.write_json(partial / "manifest.json", manifest)
             outputs.finish_folder(partial, key=self.opts.key)
             folder = outputs.publish(partial, self.opts.out / self.build_id)
         log.info("build %s done in %.0f s: %s", self.build_id, time.time() - self.started, folder)
         return BuildResult(self.build_id, folder, manifest)
+
+    def _base(
+        self, work: Path, stack: contextlib.ExitStack
+    ) -> tuple[base.Base, WatchResult | None, tuple[str, str] | None]:
+        """The installed base: from the cache (incremental), else installed now and cached (full)."""
+        phase = self.phases.phase
+        with phase("base"):
+            found = None if self.opts.full else self.base_cache.lookup(self.base_key)
+        if found is not None:
+            log.info("incremental build on the cached base %s (%s)", self.base_key[:16], found.folder)
+            return found, None, None
+        stack.enter_context(self.base_cache.locked(self.base_key))
+        if not self.opts.full:  # another build may have installed it while this one waited
+            found = self.base_cache.lookup(self.base_key)
+            if found is not None:
+                return found, None, None
+        log.info("full build: installing the base %s", self.base_key[:16])
+        with phase("installer-media"):
+            self.installer_media(work)
+        with phase("accelerator"):
+            accel = choose_accel(
+                self.opts.accel, self.paths["kernel"], self.defn.architecture, self.cache.root
+            )
+            log.info("accelerator: %s (%s)", *accel)
+        with phase("install"):
+            installer = self.install(work, accel[0])
+        with phase("base-store"):
+            installed = self.store_base(work, installer)
+        return installed, installer, accel
+
+    def _console(self, dest: Path, installed: base.Base) -> None:
+        """The published console: the installer's (from the base, whichever build made it), then the
+        provisioning boot's."""
+        with dest.open("wb") as out:
+            out.write(
+                f"==== the installer (installed base {installed.key}, build {installed.record.get('build_id', '?')})\n".encode()
+            )
+            with installed.console.open("rb") as fh:
+                shutil.copyfileobj(fh, out)
+            out.write(f"\n==== the provisioning boot (build {self.build_id})\n".encode())
+            with self.paths["console"].open("rb") as fh:
+                shutil.copyfileobj(fh, out)
 
 
 def build(opts: BuildOptions) -> BuildResult:

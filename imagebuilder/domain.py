@@ -1,17 +1,32 @@
 """The build VM as libvirt domain XML.
 
-Direct kernel boot of the installer's kernel and initrd with ``autoinstall`` on the
-command line; UEFI through OVMF (AAVMF on arm64) with a per-build NVRAM copy; the target
-disk on virtio (``discard=unmap`` so trimmed blocks leave the QCOW2); the installer ISO
-as a CD-ROM; the NoCloud seed and the staging medium as read-only virtio disks; the
-serial console in a file kept with the build and a second serial port (the data port)
-in another file; ``on_poweroff``/``on_reboot`` destroy, ``on_crash`` preserve (the
-builder reads the crash and says so).
+One builder for the three kinds of VM a build runs:
+
+* the **installer**: direct kernel boot of the installer's kernel and initrd with
+  ``autoinstall`` on the command line, UEFI through OVMF (AAVMF on arm64) with a per-build
+  NVRAM copy, the installer ISO as a CD-ROM, the NoCloud seed and the base medium as
+  read-only virtio disks, and a small writable raw disk (serial ``nodetrust-export``) that
+  receives the installed system's kernel and initrd;
+* the **provisioning boot**: direct kernel boot of the installed base's own kernel and
+  initrd (no firmware at all, ``firmware="none"``), its disk a QCOW2 overlay on the cached
+  base (``backing``), the staging medium read-only, no network;
+* the **boot test** (and ``make demo``): the image itself through UEFI and its own boot
+  loader (no kernel given), an overlay on the image, the NoCloud seed read-only, an
+  emulated TPM 2.0 (an swtpm process of ours, ``tpm_socket``, as libvirt's ``external``
+  backend), and optionally guest forwards.
+
+Always: the target disk on virtio (``discard=unmap`` so trimmed blocks leave the QCOW2); a
+backing file is declared with ``relabel='no'`` so libvirt never changes the owner of a
+cached base or a published image (QEMU reads it through its 0644 mode); the serial console
+in a file kept with the build and a second serial port (the data port) in another file;
+``on_poweroff``/``on_reboot`` destroy, ``on_crash`` preserve (the builder reads the crash
+and says so).
 
 Networking, when asked for, is QEMU user-mode networking with ``restrict=on`` (no route
-anywhere) plus one ``guestfwd``: the guest's ``10.0.2.100:8080`` is a character device
-connected to the builder's event listener on the host's loopback. libvirt has no element
-for that, so it goes through the ``qemu:commandline`` namespace.
+anywhere) plus ``guestfwd`` rules: for the installer, the guest's ``10.0.2.100:8080`` is a
+character device connected to the builder's event listener on the host's loopback; for
+``forwards``, each guest address runs a relay command (per connection) to a loopback port.
+libvirt has no element for either, so they go through the ``qemu:commandline`` namespace.
 """
 
 from __future__ import annotations
@@ -65,21 +80,30 @@ class DomainSpec:
     accel: str  # kvm | tcg
     memory_mib: int
     cpus: int
-    kernel: Path
-    initrd: Path
+    kernel: Path | None  # None: boot from the disk (firmware and the image's boot loader)
+    initrd: Path | None
     cmdline: str
     disk: Path
-    cdrom: Path
+    cdrom: Path | None
     readonly_disks: tuple[Path, ...]
     console_log: Path
     data_log: Path
-    firmware: str = "uefi"
+    firmware: str = "uefi"  # uefi | bios | none (direct kernel boot without firmware)
     loader: Path | None = None
     nvram_template: Path | None = None
     nvram: Path | None = None
-    listener_port: int | None = None  # None: no network at all
+    listener_port: int | None = None  # the installer's event listener (guestfwd to a socket)
     mac: str = "52:54:00:6e:74:01"
     extra: dict[str, str] = field(default_factory=dict)
+    backing: Path | None = None  # the disk is a QCOW2 overlay on this file (never relabelled)
+    writable_disks: tuple[tuple[Path, str], ...] = ()  # (raw file, serial)
+    tpm_socket: Path | None = None  # swtpm's control socket: an emulated TPM 2.0
+    forwards: tuple[tuple[str, str], ...] = ()  # (guest address:port, relay command on the host)
+    network: bool = False  # a NIC even without listener or forwards (DHCP, no route anywhere)
+
+    @property
+    def has_network(self) -> bool:
+        return self.listener_port is not None or bool(self.forwards) or self.network
 
 
 def _sub(parent: ET.Element, tag: str, text: str | None = None, **attrs: str) -> ET.Element:
@@ -113,9 +137,16 @@ def domain_xml(spec: DomainSpec) -> str:
             raise VmError("UEFI needs a loader, an NVRAM template and an NVRAM path")
         _sub(os_el, "loader", str(spec.loader), readonly="yes", type="pflash")
         _sub(os_el, "nvram", str(spec.nvram), template=str(spec.nvram_template))
-    _sub(os_el, "kernel", str(spec.kernel))
-    _sub(os_el, "initrd", str(spec.initrd))
-    _sub(os_el, "cmdline", spec.cmdline)
+    if spec.kernel is not None:
+        if spec.initrd is None:
+            raise VmError("a direct kernel boot needs an initrd")
+        _sub(os_el, "kernel", str(spec.kernel))
+        _sub(os_el, "initrd", str(spec.initrd))
+        _sub(os_el, "cmdline", spec.cmdline)
+    elif spec.firmware == "none":
+        raise VmError("without firmware the VM needs a kernel to boot")
+    else:
+        _sub(os_el, "boot", dev="hd")
 
     features = _sub(root, "features")
     _sub(features, "acpi")
@@ -136,23 +167,36 @@ def domain_xml(spec: DomainSpec) -> str:
     disk = _sub(devices, "disk", type="file", device="disk")
     _sub(disk, "driver", name="qemu", type="qcow2", cache="unsafe", discard="unmap")
     _sub(disk, "source", file=str(spec.disk))
+    if spec.backing is not None:
+        backing = _sub(disk, "backingStore", type="file")
+        _sub(backing, "format", type="qcow2")
+        _norelabel(_sub(backing, "source", file=str(spec.backing)))
+        _sub(backing, "backingStore")
     _sub(disk, "target", dev="vda", bus="virtio")
     _sub(disk, "serial", "nodetrust-target")
 
-    cdrom = _sub(devices, "disk", type="file", device="cdrom")
-    _sub(cdrom, "driver", name="qemu", type="raw")
-    _norelabel(_sub(cdrom, "source", file=str(spec.cdrom)))
-    _sub(cdrom, "target", dev="sda", bus="sata" if spec.arch == "amd64" else "scsi")
-    _sub(cdrom, "readonly")
-    if spec.arch == "arm64":
-        _sub(devices, "controller", type="scsi", model="virtio-scsi")
+    if spec.cdrom is not None:
+        cdrom = _sub(devices, "disk", type="file", device="cdrom")
+        _sub(cdrom, "driver", name="qemu", type="raw")
+        _norelabel(_sub(cdrom, "source", file=str(spec.cdrom)))
+        _sub(cdrom, "target", dev="sda", bus="sata" if spec.arch == "amd64" else "scsi")
+        _sub(cdrom, "readonly")
+        if spec.arch == "arm64":
+            _sub(devices, "controller", type="scsi", model="virtio-scsi")
 
-    for index, path in enumerate(spec.readonly_disks):
+    letters = iter("bcdefghijklmnop")
+    for path in spec.readonly_disks:
         extra = _sub(devices, "disk", type="file", device="disk")
         _sub(extra, "driver", name="qemu", type="raw")
         _norelabel(_sub(extra, "source", file=str(path)))
-        _sub(extra, "target", dev=f"vd{chr(ord('b') + index)}", bus="virtio")
+        _sub(extra, "target", dev=f"vd{next(letters)}", bus="virtio")
         _sub(extra, "readonly")
+    for path, disk_serial in spec.writable_disks:
+        writable = _sub(devices, "disk", type="file", device="disk")
+        _sub(writable, "driver", name="qemu", type="raw", cache="unsafe")
+        _sub(writable, "source", file=str(path))
+        _sub(writable, "target", dev=f"vd{next(letters)}", bus="virtio")
+        _sub(writable, "serial", disk_serial)
 
     serial = _sub(devices, "serial", type="file")
     _sub(serial, "source", path=str(spec.console_log))
@@ -165,20 +209,32 @@ def domain_xml(spec: DomainSpec) -> str:
         data = _sub(devices, "console", type="file")
         _sub(data, "source", path=str(spec.data_log))
         _sub(data, "target", type="virtio", port="1")
+    if spec.tpm_socket is not None:
+        tpm = _sub(devices, "tpm", model="tpm-crb" if spec.arch == "amd64" else "tpm-tis")
+        backend = _sub(tpm, "backend", type="external")
+        _sub(backend, "source", type="unix", mode="connect", path=str(spec.tpm_socket))
     if spec.arch == "amd64":
         _sub(devices, "panic", model="isa")
     _sub(devices, "memballoon", model="none")
     rng = _sub(devices, "rng", model="virtio")
     _sub(rng, "backend", "/dev/urandom", model="random")
 
-    if spec.listener_port is not None:
+    if spec.has_network:
         cmd = _sub(root, f"{{{QEMU_NS}}}commandline")
-        host, port = GUEST_FORWARD.split(":")
+        netdev = "user,id=ntnet0,restrict=on"
+        args: list[str] = []
+        if spec.listener_port is not None:
+            host, port = GUEST_FORWARD.split(":")
+            args += ["-chardev", f"socket,id=ntev0,host=127.0.0.1,port={spec.listener_port},reconnect=1"]
+            netdev += f",guestfwd=tcp:{host}:{port}-chardev:ntev0"
+        for guest, command in spec.forwards:
+            if "," in command:
+                raise VmError(f"a guest forward's command may not contain a comma: {command!r}")
+            netdev += f",guestfwd=tcp:{guest}-cmd:{command}"
         for arg in (
-            "-chardev",
-            f"socket,id=ntev0,host=127.0.0.1,port={spec.listener_port},reconnect=1",
+            *args,
             "-netdev",
-            f"user,id=ntnet0,restrict=on,guestfwd=tcp:{host}:{port}-chardev:ntev0",
+            netdev,
             "-device",
             # an explicit slot: QEMU creates command-line devices before libvirt's JSON ones, and libvirt
             # fills pcie.0 from slot 1 up with root ports; slot 0x0f stays free for any domain this small
@@ -202,3 +258,20 @@ def kernel_cmdline(arch: str, seed_args: str, extra: tuple[str, ...], *, accel: 
     installer_only = ["no_timer_check"] if accel == "tcg" and arch == "amd64" else []
     carried = [a for a in extra if not a.startswith("console=")]
     return " ".join(["autoinstall", seed_args, console, *installer_only, "---", console, *carried]).strip()
+
+
+def provision_cmdline(arch: str, root: str, init: str, *, accel: str = "kvm") -> str:
+    """The provisioning boot's kernel command line: the base's root file system, read-write, with the
+    provisioning hook as PID 1 and the data port named for it; ``no_timer_check`` under TCG (this
+    command line never reaches the image)."""
+    parts = [
+        f"console={CONSOLE[arch]},115200",
+        f"root={root}",
+        "rw",
+        f"init={init}",
+        "fsck.mode=skip",
+        f"nodetrust.data={DATA_PORT[arch]}",
+    ]
+    if accel == "tcg" and arch == "amd64":
+        parts.append("no_timer_check")
+    return " ".join(parts)

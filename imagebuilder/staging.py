@@ -1,10 +1,25 @@
-"""The staging medium: everything late-commands put into the target, and the plan they follow.
+"""The two media a build hands to ``cloud-init/stage.sh``, and the plans it follows.
 
-Tree (becomes the ``NTSTAGE`` ISO)::
+A build puts things into the target in two runs of the same script (``stage.sh``), each
+from its own ISO 9660 medium labelled ``NTSTAGE`` with its own ``plan.tsv``:
+
+* the **base medium**, for the installer's late-command: the OS packages the definition
+  asks for (and their dependency closure), the provisioning hook
+  (``cloud-init/provision-init.sh``), the export of the base's kernel and initrd to the
+  builder, the base's package list, ``fstrim``. What it holds decides the installed base,
+  which builds cache and reuse (:mod:`imagebuilder.base`): :func:`tree_digest` is part of
+  the base's key;
+* the **staging medium**, for the provisioning boot of that base: the installed
+  Kubernetes version (apt, held), the staged Kubernetes debs, the artifacts, the agent's
+  venv and units, ``/etc/nodetrust/image.json``, the admin user, the sshd policy, the
+  package list, generalisation and ``fstrim``.
+
+Tree of a medium::
 
     stage.sh                 cloud-init/stage.sh
     plan.tsv                 what stage.sh does, in order (see the head of stage.sh)
-    apt/                     a flat apt repository: OS packages and the installed Kubernetes version
+    provision-init           cloud-init/provision-init.sh (base medium only)
+    apt/                     a flat apt repository
     staged/...               Kubernetes debs of the staged versions
     files/<artifact>/...     tarballs, binaries, OCI archives, debs to stage
     wheels/                  the agent wheel, its dependencies, pip
@@ -13,22 +28,35 @@ Tree (becomes the ``NTSTAGE`` ISO)::
     info/image.json          /etc/nodetrust/image.json in the target
 
 Files come from verified cache entries (hard links where possible) and from the build.
+:func:`staged_files` lists every file the staging plan puts at a fixed path, with its
+digest: the manifest carries it and the boot test checks it inside the booted image.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
-from collections.abc import Sequence
+import stat
+import tarfile
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from imagebuilder import aptrepo
-from imagebuilder.autoinstall import STAGE_SCRIPT, template_text
+from imagebuilder import aptindex, aptrepo
+from imagebuilder.autoinstall import PROVISION_INIT, STAGE_SCRIPT, template_text
 from imagebuilder.definition import Definition
 from imagebuilder.errors import BuildError
 from imagebuilder.lock import LockedInput
+from imagebuilder.run import run
+
+#: Where the installer puts the provisioning hook in the base; it removes itself when it is done.
+PROVISION_HOOK = "/usr/lib/nodetrust/provision-init"
+#: The serial of the raw disk the installer writes the base's kernel and initrd to.
+EXPORT_SERIAL = "nodetrust-export"
 
 
 @dataclass(frozen=True)
@@ -57,6 +85,98 @@ def _dest_file(destination: str, filename: str) -> str:
     return destination + filename if destination.endswith("/") else destination
 
 
+def _write_plan(tree: Path, plan: list[str]) -> list[str]:
+    for line in plan:
+        if any(not field for field in line.split("\t")):
+            raise BuildError(f"staging plan line with an empty field: {line!r}")
+    (tree / "plan.tsv").write_text("\n".join(plan) + "\n", encoding="utf-8")
+    return plan
+
+
+def _start(tree: Path) -> None:
+    tree.mkdir(parents=True, exist_ok=True)
+    (tree / "stage.sh").write_text(template_text(STAGE_SCRIPT), encoding="utf-8")
+    (tree / "stage.sh").chmod(0o755)
+
+
+# -- which apt packages belong to the base ----------------------------------------------------
+
+
+def split_apt(defn: Definition, files: Sequence[StagedFile], base_packages: Mapping[str, str]) -> set[str]:
+    """Keys of the ``apt`` inputs that go into the installed base: the definition's ``packages`` and
+    their dependency closure (resolved again here, among the locked debs, like the lock did).
+
+    Everything else the lock installs (the installed Kubernetes version and what it needs) goes
+    into the staging plan, so a new Kubernetes version reuses the base.
+    """
+    apt = [f for f in files if f.item.role == "apt"]
+    if not defn.packages or not apt:
+        return set()
+    entries: list[aptindex.PackageEntry] = []
+    by_name: dict[str, StagedFile] = {}
+    for staged in apt:
+        if not staged.item.key.startswith("deb/"):
+            continue
+        control = aptindex.parse_stanzas(run(["dpkg-deb", "--field", str(staged.path)]).text)[0]
+        relations = ", ".join(v for k in ("Pre-Depends", "Depends") if (v := control.get(k)))
+        entries.append(
+            aptindex.PackageEntry(
+                name=control["Package"],
+                version=control["Version"],
+                architecture=control["Architecture"],
+                url=staged.path.as_uri(),
+                size=staged.item.size,
+                sha256=staged.item.sha256,
+                repository="lock",
+                depends=tuple(tuple(group) for group in aptindex.parse_relations(relations)),
+                provides=tuple(
+                    r.name for group in aptindex.parse_relations(control.get("Provides", "")) for r in group
+                ),
+            )
+        )
+        by_name[control["Package"]] = staged
+    resolution = aptindex.resolve([(p.name, p.version) for p in defn.packages], entries, base_packages)
+    return {by_name[name].item.key for name in resolution.selected if name in by_name}
+
+
+# -- the base medium --------------------------------------------------------------------------
+
+
+def base_tree(
+    tree: Path, defn: Definition, files: Sequence[StagedFile], base_keys: AbstractSet[str]
+) -> list[str]:
+    """The installer's medium: OS packages, the provisioning hook, the boot files' export."""
+    _start(tree)
+    plan: list[str] = []
+    apt_items = [f for f in files if f.item.role == "apt" and f.item.key in base_keys]
+    if apt_items:
+        for staged in apt_items:
+            place(staged.path, tree / "apt" / staged.item.filename)
+        aptrepo.make_flat_repo(tree / "apt")
+        names = {f.item.name for f in apt_items}
+        install = [str(p) for p in defn.packages if p.name in names]
+        if install:
+            plan.append("apt\t" + " ".join(install))
+    (tree / "provision-init").write_text(template_text(PROVISION_INIT), encoding="utf-8")
+    plan.append(f"file\tprovision-init\t{PROVISION_HOOK}\t0755")
+    plan += [f"export\t{EXPORT_SERIAL}", "report", "trim"]
+    return _write_plan(tree, plan)
+
+
+def tree_digest(tree: Path) -> str:
+    """SHA-256 over every file of a tree: relative path, executable bit, content digest."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in tree.rglob("*") if p.is_file()):
+        rel = path.relative_to(tree).as_posix()
+        executable = "x" if path.stat().st_mode & stat.S_IXUSR else "-"
+        content = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest.update(f"{rel}\0{executable}\0{content}\n".encode())
+    return digest.hexdigest()
+
+
+# -- the staging medium ------------------------------------------------------------------------
+
+
 def build_tree(
     tree: Path,
     defn: Definition,
@@ -66,23 +186,24 @@ def build_tree(
     pip_wheel: str,
     agent_requirement: str,
     image_info: dict[str, object],
+    base_keys: AbstractSet[str] = frozenset(),
 ) -> list[str]:
-    """Write the staging tree; return the plan lines (tab-separated)."""
-    tree.mkdir(parents=True, exist_ok=True)
-    (tree / "stage.sh").write_text(template_text(STAGE_SCRIPT), encoding="utf-8")
-    (tree / "stage.sh").chmod(0o755)
+    """Write the staging tree (everything but the base's packages); return the plan lines."""
+    _start(tree)
     plan: list[str] = []
     kube = defn.kubernetes
 
-    apt_items = [f for f in files if f.item.role == "apt"]
+    apt_items = [f for f in files if f.item.role == "apt" and f.item.key not in base_keys]
     if apt_items:
         for staged in apt_items:
             place(staged.path, tree / "apt" / staged.item.filename)
         aptrepo.make_flat_repo(tree / "apt")
-        install = [str(p) for p in defn.packages if any(f.item.name == p.name for f in apt_items)]
+        names = {f.item.name for f in apt_items}
+        install = [str(p) for p in defn.packages if p.name in names]
         if kube is not None:
             install += [f"{p}={kube.deb_version(kube.installed)}" for p in kube.packages]
-        plan.append("apt\t" + " ".join(install))
+        if install:
+            plan.append("apt\t" + " ".join(install))
         if kube is not None:
             plan.append("hold\t" + " ".join(kube.packages))
 
@@ -101,8 +222,7 @@ def build_tree(
         elif item.kind in ("binary", "oci-archive", "deb"):
             rel = f"files/{item.name}/{item.filename}"
             place(staged.path, tree / rel)
-            mode = item.mode or ("0755" if item.kind == "binary" else "0644")
-            plan.append(f"file\t{rel}\t{_dest_file(item.destination, item.filename)}\t{mode}")
+            plan.append(f"file\t{rel}\t{_dest_file(item.destination, item.filename)}\t{_mode(item)}")
         else:
             raise BuildError(f"{item.name}: do not know how to stage kind {item.kind}")
 
@@ -112,13 +232,8 @@ def build_tree(
     plan.append(f"venv\t{defn.agent.venv}\t{agent_requirement}\t{pip_wheel}")
 
     for unit in defn.agent.units:
-        source = defn.agent.source / unit.source
-        if not source.is_file():
-            raise BuildError(
-                f"the agent unit {source} does not exist", hint="check agent.units in the definition"
-            )
         rel = f"units/{unit.source.replace('/', '_')}"
-        place(source, tree / rel)
+        place(_unit_source(defn, unit.source), tree / rel)
         plan.append(f"file\t{rel}\t{unit.destination}\t0644")
     for unit in defn.agent.units:
         if unit.enable:
@@ -144,9 +259,84 @@ def build_tree(
         plan.append("sshd\tdisable")
     else:
         plan.append(f"sshd\t{'yes' if defn.ssh.allow_password else 'no'}")
+    plan += ["report", "generalise", "trim"]
+    return _write_plan(tree, plan)
 
-    for line in plan:
-        if any(not field for field in line.split("\t")):
-            raise BuildError(f"staging plan line with an empty field: {line!r}")
-    (tree / "plan.tsv").write_text("\n".join(plan) + "\n", encoding="utf-8")
-    return plan
+
+def _mode(item: LockedInput) -> str:
+    return item.mode or ("0755" if item.kind == "binary" else "0644")
+
+
+def _unit_source(defn: Definition, source: str) -> Path:
+    path = defn.agent.source / source
+    if not path.is_file():
+        raise BuildError(f"the agent unit {path} does not exist", hint="check agent.units in the definition")
+    return path
+
+
+# -- what the staging plan puts where ---------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _tar_members(staged: StagedFile) -> list[dict[str, Any]]:
+    item = staged.item
+    strip = item.strip_components
+    out: list[dict[str, Any]] = []
+    try:
+        with tarfile.open(staged.path) as archive:
+            for member in archive:
+                parts = [p for p in member.name.split("/") if p not in ("", ".")]
+                if len(parts) <= strip or ".." in parts:
+                    continue
+                path = item.destination.rstrip("/") + "/" + "/".join(parts[strip:])
+                entry: dict[str, Any] = {"group": f"{item.name} {item.version}", "path": path}
+                if member.isfile():
+                    handle = archive.extractfile(member)
+                    if handle is None:
+                        continue
+                    digest = hashlib.sha256()
+                    while chunk := handle.read(1 << 20):
+                        digest.update(chunk)
+                    entry |= {"sha256": digest.hexdigest(), "mode": f"{member.mode & 0o7777:04o}"}
+                elif member.issym():
+                    entry["link"] = member.linkname
+                else:
+                    continue
+                out.append(entry)
+    except (tarfile.TarError, OSError) as exc:
+        raise BuildError(f"{item.name}: cannot read {staged.path.name} as a tar archive: {exc}") from exc
+    return out
+
+
+def staged_files(defn: Definition, files: Sequence[StagedFile]) -> list[dict[str, Any]]:
+    """Every file the staging plan puts at a fixed path: ``group`` (what it belongs to), ``path``,
+    ``sha256`` and ``mode`` (or ``link`` for a symbolic link), sorted by path."""
+    out: list[dict[str, Any]] = []
+    for staged in files:
+        item = staged.item
+        if item.role != "stage":
+            continue
+        if item.kind == "tarball":
+            out += _tar_members(staged)
+            continue
+        if item.kind == "deb" and item.key.startswith("kubernetes/"):
+            group = f"kubernetes {item.key.split('/')[1]} (staged)"
+            mode = "0644"
+        else:
+            group = f"{item.name} {item.version}"
+            mode = _mode(item)
+        path = _dest_file(item.destination, item.filename)
+        out.append({"group": group, "path": path, "sha256": item.sha256, "mode": mode})
+    for unit in defn.agent.units:
+        source = _unit_source(defn, unit.source)
+        out.append(
+            {"group": "nodeagent units", "path": unit.destination, "sha256": _sha256(source), "mode": "0644"}
+        )
+    return sorted(out, key=lambda e: str(e["path"]))

@@ -205,9 +205,11 @@ class LineTail:
 class DataPort:
     stage_begun: bool = False
     stage_done: bool = False
+    stage_failed: int | None = None
     installed_size: int | None = None
     packages: list[dict[str, str]] | None = None
     error_dump: list[str] | None = None
+    boot: dict[str, str] | None = None  # export: root, vmlinuz, initrd.img ("<sha256>:<size>")
     _packages: list[str] | None = None
     _dump: list[str] | None = None
 
@@ -237,6 +239,11 @@ class DataPort:
         elif line.startswith("NODETRUST-INSTALLED-SIZE "):
             with contextlib.suppress(ValueError):
                 self.installed_size = int(line.split()[1])
+        elif line.startswith("NODETRUST-STAGE-FAILED"):
+            parts = line.split()
+            self.stage_failed = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 1
+        elif line.startswith("NODETRUST-BOOT "):
+            self.boot = dict(word.partition("=")[::2] for word in line.split()[1:] if "=" in word)
 
 
 def _check_packages(lines: list[str], end: str) -> list[dict[str, str]]:
@@ -283,9 +290,16 @@ class WatchResult:
     phases: list[PhaseTiming]
     events: int
     fail_events: list[str] = field(default_factory=list)
+    boot: dict[str, str] | None = None
 
 
 class Watcher:
+    """The installer run: ``boot``, ``install``, ``late`` (the base plan of stage.sh), ``shutdown``."""
+
+    PHASES: tuple[str, ...] = PHASES
+    STAGE_PHASE = "late"  # entered at NODETRUST-STAGE-BEGIN
+    WHAT = "the installer"
+
     def __init__(
         self,
         domain: DomainLike,
@@ -322,8 +336,11 @@ class Watcher:
 
     # -- phases and progress ----------------------------------------------------------------
 
+    def _limit(self, phase: str) -> int:
+        return self.watchdog.limit(phase)
+
     def _enter(self, phase: str) -> None:
-        if PHASES.index(phase) <= PHASES.index(self.phase):
+        if self.PHASES.index(phase) <= self.PHASES.index(self.phase):
             return
         now = self.clock()
         self.phases[-1].duration_s = round(now - self.phase_started, 1)
@@ -382,7 +399,7 @@ class Watcher:
 
     def _fail(self, message: str, *, hint: str = "") -> None:
         raise InstallerError(
-            f"{message} (phase {self.phase}, {self.clock() - self.started:.0f} s into the install)\n"
+            f"{message} (phase {self.phase}, {self.clock() - self.started:.0f} s into {self.WHAT})\n"
             f"--- last console lines ---\n{self.console.tail()}",
             hint=hint or f"the whole console is in {self.console.path}",
         )
@@ -409,7 +426,7 @@ class Watcher:
             active = True
             self.data.feed(line)
             if self.data.stage_begun:
-                self._enter("late")
+                self._enter(self.STAGE_PHASE)
             if self.data.stage_done:
                 self._enter("shutdown")
         if self.listener is not None:
@@ -423,7 +440,7 @@ class Watcher:
         return active
 
     def _idle_error(self, idle: float) -> None:
-        limit = self.watchdog.limit(self.phase)
+        limit = self._limit(self.phase)
         if self.phase == "boot":
             if self.console.total_bytes == 0:
                 what = f"the VM printed nothing on its console for {idle:.0f} s: firmware or kernel hang"
@@ -437,8 +454,8 @@ class Watcher:
             what = f"the installer showed no progress for {idle:.0f} s (last event: {self.last_event or 'none'})"
             hint = "raise watchdog.install if the step is legitimately slow here; else the console shows where it stopped"
         elif self.phase == "late":
-            what = f"the staging late-command showed no progress for {idle:.0f} s"
-            hint = "the console shows the last nodetrust-stage line; raise watchdog.late for large artifacts under TCG"
+            what = f"the late-command (stage.sh, the base plan) showed no progress for {idle:.0f} s"
+            hint = "the console shows the last nodetrust-stage line; raise watchdog.late for large packages under TCG"
         else:
             what = f"the install finished but the VM did not power off within {idle:.0f} s"
             hint = "the installer should power off (shutdown: poweroff); see the console's last lines"
@@ -450,6 +467,12 @@ class Watcher:
             if self._drain():
                 self.last_activity = self.clock()
             now = self.clock()
+            if self.data.stage_failed is not None:
+                self._drain()
+                self._fail(
+                    f"the staging plan failed (stage.sh exited with status {self.data.stage_failed})",
+                    hint="the console shows the last nodetrust-stage line and the failing command's output",
+                )
             if self.failing_since is not None and (
                 self.data.error_dump is not None or now - self.failing_since > ERROR_DUMP_WAIT_S
             ):
@@ -461,7 +484,7 @@ class Watcher:
             if now - self.started > self.watchdog.total:
                 self._fail(f"the build VM ran longer than watchdog.total ({self.watchdog.total} s)")
             idle = now - self.last_activity
-            if self.failing_since is None and idle > self.watchdog.limit(self.phase):
+            if self.failing_since is None and idle > self._limit(self.phase):
                 self._idle_error(idle)
             self.sleep(self.poll_s)
 
@@ -478,7 +501,7 @@ class Watcher:
             self._installer_failed()
         if not self.data.stage_done or self.data.packages is None:
             self._fail(
-                "the VM powered off before the staging late-command reported completion",
+                "the VM powered off before the late-command (stage.sh, the base plan) reported completion",
                 hint="late-commands did not run to the end: see the console log",
             )
         now = self.clock()
@@ -489,4 +512,68 @@ class Watcher:
             phases=self.phases,
             events=self.events,
             fail_events=self.fail_events,
+            boot=self.data.boot,
+        )
+
+
+class ProvisionWatcher(Watcher):
+    """The provisioning boot of the installed base: ``boot`` (kernel and initrd until the staging
+    plan starts), ``stage`` (stage.sh; idle limit ``watchdog.late``), ``shutdown`` (the hook powers off).
+
+    No installer runs here: only the console's progress, a kernel panic, the data port's markers
+    and ``NODETRUST-STAGE-FAILED`` matter.
+    """
+
+    PHASES = ("boot", "stage", "shutdown")
+    STAGE_PHASE = "stage"
+    WHAT = "the provisioning boot"
+
+    def _limit(self, phase: str) -> int:
+        return self.watchdog.limit("late" if phase == "stage" else phase)
+
+    def _console_line(self, line: str) -> None:
+        if line.startswith(("nodetrust-stage: ", "nodetrust-provision: ")):
+            log.info("%s", line)
+        panic = PANIC.search(line)
+        if panic:
+            self._fail(
+                f"the base's kernel panicked: {panic.group(0)}",
+                hint="see the console log around the panic (a wrong root= or a missing disk driver in the "
+                "base's initrd stops the boot before the staging plan)",
+            )
+
+    def _idle_error(self, idle: float) -> None:
+        limit = self._limit(self.phase)
+        if self.phase == "boot":
+            what = f"the base's kernel showed no progress for {idle:.0f} s before the staging plan started"
+            hint = "see the console: the initrd may not find the root file system (root=UUID=...)"
+        elif self.phase == "stage":
+            what = f"the staging plan showed no progress for {idle:.0f} s"
+            hint = "the console shows the last nodetrust-stage line; raise watchdog.late for large artifacts under TCG"
+        else:
+            what = f"the staging plan finished but the VM did not power off within {idle:.0f} s"
+            hint = "provision-init powers off through /proc/sysrq-trigger; see the console's last lines"
+        last = next((line.strip() for line in reversed(self.console.recent) if line.strip()), "")
+        self._fail(f"{what} (idle limit {limit} s); last console line: {last!r}", hint=hint)
+
+    def _finished(self, state: DomainState) -> WatchResult:
+        if state.state == "crashed":
+            self._fail("the guest crashed (kernel panic reported through pvpanic)")
+        if state.state != "shutoff" or state.reason != "shutdown":
+            raise VmError(
+                f"the provisioning VM stopped unexpectedly ({state.state}, {state.reason})\n"
+                f"--- last console lines ---\n{self.console.tail()}",
+                hint="QEMU died or someone destroyed the domain; see /var/log/libvirt/qemu/",
+            )
+        if self.data.stage_failed is not None or not self.data.stage_done or self.data.packages is None:
+            self._fail(
+                "the provisioning VM powered off before the staging plan reported completion",
+                hint="see the console log",
+            )
+        self.phases[-1].duration_s = round(self.clock() - self.phase_started, 1)
+        return WatchResult(
+            packages=self.data.packages or [],
+            installed_size=self.data.installed_size,
+            phases=self.phases,
+            events=0,
         )

@@ -188,8 +188,10 @@ def full_build(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
     out, work = base / "out", work_dir(base)
     wait_for_other_vms()
     started = time.monotonic()
+    # --full: the installer runs even when the shared cache kept this definition's installed base from an
+    # earlier session (the new base replaces it; test_incremental.py then builds on it)
     built = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
-                         "--out", str(out), "--work-dir", str(work))  # fmt: skip
+                         "--out", str(out), "--work-dir", str(work), "--full")  # fmt: skip
     seconds = time.monotonic() - started
     assert built.returncode == 0, f"imagebuilder build failed ({built.returncode}):\n{built.stderr[-8000:]}"
     folder = Path(built.stdout.strip().splitlines()[-1])

@@ -110,7 +110,10 @@ def test_a_hanging_installer_is_caught_by_the_watchdog(env: Env, tmp_path: Path,
     )
     assert result.returncode == 6, result.stderr[-5000:]
     error = result.stderr[result.stderr.index("imagebuilder: error:") :]
-    assert "the staging late-command showed no progress for 6" in error and "(idle limit 60 s)" in error
+    assert (
+        "the late-command (stage.sh, the base plan) showed no progress for 6" in error
+        and "(idle limit 60 s)" in error
+    )
     assert "Setting up nodetrust-fixture-hangs" in error  # the console tail shows where it stopped
     print(f"\nhang caught after {seconds:.0f} s")
     _no_leftovers(work, tmp_path / "out")

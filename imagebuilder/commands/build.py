@@ -77,8 +77,27 @@ def register(subparsers: Any) -> None:
         metavar="PHASE=SECONDS",
         help=f"override a watchdog idle limit ({', '.join(PHASES)}, total); repeatable",
     )
+    parser.add_argument(
+        "--base-cache",
+        type=Path,
+        default=None,
+        help="where installed bases are cached and reused (default: <cache-dir>/bases)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help="run the installer again even when the base cache has this definition's installed base "
+        "(the new base replaces the cached one)",
+    )
     parser.add_argument("--key", type=Path, default=None, help="sign the build folder with this private key")
     parser.add_argument("--keep-work", action="store_true", help="keep the work directory (for debugging)")
+    parser.add_argument(
+        "--no-test",
+        dest="boot_test",
+        action="store_false",
+        help="publish without the boot test (by default the image is booted once and checked from inside, "
+        "like `imagebuilder test`, and nothing is published unless every check passes)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -106,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
                 network=args.network,
                 idle_limits=dict(args.idle_limit),
                 keep_work=args.keep_work,
+                base_cache=args.base_cache,
+                full=args.full,
+                boot_test=args.boot_test,
             )
         )
     finally:

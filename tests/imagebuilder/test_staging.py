@@ -9,7 +9,14 @@ import pytest
 
 from imagebuilder.definition import load_definition
 from imagebuilder.lock import LockedInput
-from imagebuilder.staging import StagedFile, build_tree
+from imagebuilder.staging import (
+    EXPORT_SERIAL,
+    PROVISION_HOOK,
+    StagedFile,
+    base_tree,
+    build_tree,
+    tree_digest,
+)
 
 pytestmark = pytest.mark.subprocess  # dpkg-deb indexes the apt repository
 REPO = Path(__file__).resolve().parents[2]
@@ -54,7 +61,7 @@ def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
     assert "enable\tnodeagent.service\trequired" in plan
     assert "enable\tsystemd-time-wait-sync.service\toptional" in plan
     assert "user\tnodeadmin\tyes\t/bin/bash\tkeys/nodeadmin.keys" in plan
-    assert plan[-1] == "sshd\tno"
+    assert plan[-4:] == ["sshd\tno", "report", "generalise", "trim"]
     assert (tree / "plan.tsv").read_text() == "\n".join(plan) + "\n"
     assert (tree / "stage.sh").read_text() == (REPO / "cloud-init/stage.sh").read_text()
     packages = (tree / "apt/Packages").read_text()
@@ -64,3 +71,45 @@ def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
     assert (tree / "keys/nodeadmin.keys").read_text().startswith("ssh-ed25519 ")
     for line in plan:
         assert all(line.split("\t")), line
+
+
+def test_the_base_plan_and_what_moves_its_digest(tmp_path: Path, payload_root: Path) -> None:
+    defn = load_definition(
+        REPO / "examples/fixture-node.yaml", environ={"IMAGEBUILDER_FIXTURE_ISO": "/x.iso"}
+    )
+    k8s = payload_root / "k8s/core:/stable:/v1.36/deb/amd64"
+    fapi = _item("deb/libtss2-fapi1", "deb", "apt", k8s / "cri-tools_1.36.0-1.1_amd64.deb")
+    kubeadm = _item("kubernetes/1.36.3/kubeadm", "deb", "apt", k8s / "kubeadm_1.36.3-1.1_amd64.deb")
+    files = [fapi, kubeadm]
+    base_keys = {"deb/libtss2-fapi1"}
+    plan = base_tree(tmp_path / "base", defn, files, base_keys)
+    assert plan == [
+        "apt\tlibtss2-fapi1",
+        f"file\tprovision-init\t{PROVISION_HOOK}\t0755",
+        f"export\t{EXPORT_SERIAL}",
+        "report",
+        "trim",
+    ]
+    assert (tmp_path / "base/provision-init").read_text() == (
+        REPO / "cloud-init/provision-init.sh"
+    ).read_text()
+    assert (tmp_path / "base/apt/cri-tools_1.36.0-1.1_amd64.deb").exists()
+    assert not (
+        tmp_path / "base/apt/kubeadm_1.36.3-1.1_amd64.deb"
+    ).exists()  # Kubernetes goes to the staging plan
+    first = tree_digest(tmp_path / "base")
+    # the same inputs give the same digest; a different deb in the base gives another one
+    base_tree(tmp_path / "again", defn, files, base_keys)
+    assert tree_digest(tmp_path / "again") == first
+    other = _item("deb/libtss2-fapi1", "deb", "apt", k8s / "kubectl_1.36.3-1.1_amd64.deb")
+    base_tree(tmp_path / "other", defn, [other, kubeadm], base_keys)
+    assert tree_digest(tmp_path / "other") != first
+    # the staging medium leaves the base's debs out
+    wheel = tmp_path / "pip-26.3-py3-none-any.whl"
+    wheel.write_bytes(b"wheel")
+    staging_plan = build_tree(tmp_path / "staging", defn, files, wheels=[wheel], pip_wheel=wheel.name,
+                              agent_requirement="nodetrust[agent]==0.1.0", image_info={}, base_keys=base_keys)  # fmt: skip
+    assert not (tmp_path / "staging/apt/cri-tools_1.36.0-1.1_amd64.deb").exists()
+    assert (tmp_path / "staging/apt/kubeadm_1.36.3-1.1_amd64.deb").exists()
+    assert not [line for line in staging_plan if line.startswith("export")]
+    assert not (tmp_path / "staging/provision-init").exists()
