@@ -97,6 +97,13 @@ class CommandError(BuildError):
         self.output = output
 
 
+class BootTestFailed(BuildError):
+    """The built image booted (or failed to) and a boot-test check failed; nothing was published.
+    (``imagebuilder test`` itself exits 1 for a failed check and keeps this code for the build.)"""
+
+    exit_code = 12
+
+
 class ToolMissingError(BuildError):
     """A host tool the builder needs is not installed; the hint names the package."""
 
