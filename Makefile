@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps demo test unit vm-test lint proto proto-check bench clean help
+.PHONY: deps demo test unit vm-test lint proto proto-check bench bench-build clean help
 
 help:
 	@echo "make demo     run the whole chain end to end on an embedded default"
@@ -13,6 +13,7 @@ help:
 	@echo "make lint     ruff and mypy (strict)"
 	@echo "make proto    regenerate protocol/_gen from protocol/proto"
 	@echo "make bench    run the benchmarks in bench/ and print their figures"
+	@echo "make bench-build  full vs incremental image build of the fixture (VMs, root, libvirtd; minutes)"
 
 deps:
 	@scripts/ensure-deps.sh
@@ -45,6 +46,10 @@ bench: deps
 	$(PY) bench/join.py
 	$(PY) -m bench.store
 	$(PY) -m bench.check
+
+bench-build: deps
+	scripts/services.sh start
+	$(PY) -m bench.build
 
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache

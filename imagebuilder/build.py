@@ -441,12 +441,14 @@ class Build:
     def provision(self, work: Path, installed: base.Base, accel: str) -> WatchResult:
         """The provisioning boot: the base's own kernel on an overlay of the base, the staging plan."""
         defn = self.defn
-        backing = installed.disk if _reachable(installed.folder) else None
-        kernel, initrd = installed.kernel, installed.initrd
-        if backing is None:  # QEMU (libvirt-qemu) cannot enter the cache: use the work directory
+        # libvirt labels a domain's kernel and initrd (chown to its QEMU user): never the cached files, copies
+        kernel, initrd = work / "base-vmlinuz", work / "base-initrd.img"
+        shutil.copyfile(installed.kernel, kernel)
+        shutil.copyfile(installed.initrd, initrd)
+        # the backing file is declared relabel='no': QEMU reads the cached base through its 0644 mode
+        backing = installed.disk
+        if not _reachable(installed.folder):  # QEMU (libvirt-qemu) cannot enter the cache: copy it
             backing = base.link_into(installed.disk, work / "base.qcow2")
-            kernel = base.link_into(installed.kernel, work / "base-vmlinuz")
-            initrd = base.link_into(installed.initrd, work / "base-initrd.img")
         overlay = work / "image.qcow2"
         run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(overlay)],
             hint="qemu-img could not create the overlay on the installed base")  # fmt: skip

@@ -13,7 +13,7 @@ import pytest
 from imagebuilder.definition import Watchdog
 from imagebuilder.errors import InstallerError, VmError
 from imagebuilder.vm import DomainState
-from imagebuilder.watch import DataPort, EventListener, InstallerEvent, LineTail, Watcher
+from imagebuilder.watch import DataPort, EventListener, InstallerEvent, LineTail, ProvisionWatcher, Watcher
 
 RUNNING = DomainState(True, "running", "1")
 POWERED_OFF = DomainState(False, "shutoff", "shutdown")
@@ -210,7 +210,8 @@ def test_power_off_before_the_staging_step_finished(tmp_path: Path) -> None:
     clock = Clock()
     script = Script(tmp_path, clock).at(1, "console", "start: subiquity/Install/install: x").stop_at(3)
     with pytest.raises(
-        InstallerError, match="powered off before the staging late-command reported completion"
+        InstallerError,
+        match=r"powered off before the late-command \(stage\.sh, the base plan\) reported completion",
     ):
         watcher(script, clock).run()
     clock = Clock()
@@ -280,3 +281,79 @@ def test_the_listener_takes_webhook_events_one_after_another_on_one_connection()
         assert listener.received == 3
     finally:
         listener.close()
+
+
+# -- the provisioning boot ------------------------------------------------------------------------
+
+
+def provision_watcher(script: Script, clock: Clock) -> ProvisionWatcher:
+    limits = Watchdog(boot=60, install=60, late=60, shutdown=60, total=3600)
+    return ProvisionWatcher(script, script.console, script.data, None, limits, poll_s=1.0, clock=clock,
+                            wall=clock, sleep=clock.sleep)  # fmt: skip
+
+
+def provisioned(script: Script) -> Script:
+    script.at(1, "console", "[    0.000000] Linux version 6.1.0-28-amd64")
+    script.at(4, "console", "nodetrust-provision: running the staging plan from /dev/vdb")
+    script.at(5, "data", "NODETRUST-STAGE-BEGIN")
+    script.at(6, "console", "nodetrust-stage: [6.1s] apt install kubeadm=1.36.3-1.1")
+    for i, line in enumerate(packages_block(["kubeadm\t1.36.3-1.1\tamd64"])):
+        script.at(30 + i * 0.01, "data", line)
+    script.at(31, "data", "NODETRUST-INSTALLED-SIZE 7654321")
+    script.at(32, "data", "NODETRUST-STAGE-DONE")
+    script.at(33, "console", "nodetrust-provision: powering off")
+    return script
+
+
+def test_a_successful_provisioning_boot(tmp_path: Path) -> None:
+    clock = Clock()
+    result = provision_watcher(provisioned(Script(tmp_path, clock)).stop_at(35), clock).run()
+    assert result.packages == [{"name": "kubeadm", "version": "1.36.3-1.1", "architecture": "amd64"}]
+    assert result.installed_size == 7654321
+    assert [p.name for p in result.phases] == ["boot", "stage", "shutdown"]
+    assert result.events == 0
+
+
+def test_a_failed_staging_plan_in_the_provisioning_boot(tmp_path: Path) -> None:
+    clock = Clock()
+    script = Script(tmp_path, clock)
+    script.at(1, "console", "[    0.000000] Linux version 6.1.0-28-amd64")
+    script.at(5, "data", "NODETRUST-STAGE-BEGIN")
+    script.at(6, "console", "E: Unable to locate package kubeadm")
+    script.at(7, "data", "NODETRUST-STAGE-FAILED 100")
+    with pytest.raises(
+        InstallerError, match=r"the staging plan failed \(stage\.sh exited with status 100\)"
+    ):
+        provision_watcher(script, clock).run()
+
+
+def test_the_base_kernel_cannot_find_its_root(tmp_path: Path) -> None:
+    clock = Clock()
+    script = Script(tmp_path, clock).at(
+        2, "console", "[ 3.1] Kernel panic - not syncing: VFS: Unable to mount root fs on unknown-block(0,0)"
+    )
+    with pytest.raises(InstallerError, match="the base's kernel panicked") as caught:
+        provision_watcher(script, clock).run()
+    assert "wrong root=" in caught.value.hint
+
+
+def test_a_provisioning_boot_that_stops_making_progress(tmp_path: Path) -> None:
+    clock = Clock()
+    script = Script(tmp_path, clock)
+    script.at(1, "console", "[    0.000000] Linux version 6.1.0-28-amd64")
+    script.at(5, "data", "NODETRUST-STAGE-BEGIN")
+    script.at(6, "console", "nodetrust-stage: [6.1s] venv /opt/nodeagent/venv: nodetrust[agent]==0.1.0")
+    with pytest.raises(
+        InstallerError, match=r"the staging plan showed no progress for 6\d s \(idle limit 60 s\)"
+    ):
+        provision_watcher(script, clock).run()
+
+
+def test_a_provisioning_boot_that_powers_off_early(tmp_path: Path) -> None:
+    clock = Clock()
+    script = Script(tmp_path, clock)
+    script.at(1, "console", "[    0.000000] Linux version 6.1.0-28-amd64")
+    script.at(5, "data", "NODETRUST-STAGE-BEGIN")
+    script.stop_at(8)
+    with pytest.raises(InstallerError, match="powered off before the staging plan reported completion"):
+        provision_watcher(script, clock).run()
