@@ -4,10 +4,11 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps demo test unit vm-test lint proto proto-check bench bench-build clean help
+.PHONY: deps demo demo-host test unit vm-test lint proto proto-check bench bench-build clean help
 
 help:
-	@echo "make demo     run the whole chain end to end on an embedded default"
+	@echo "make demo     build the node image, boot it with a TPM, attest, check and join (about 8 min here)"
+	@echo "make demo-host  the same agent steps on the host against swtpm, no image or VM (seconds)"
 	@echo "make test     lint, type-check and run every test tier (starts and stops the services it needs)"
 	@echo "make vm-test  only the VM tier (vm-tests/)"
 	@echo "make lint     ruff and mypy (strict)"
@@ -39,7 +40,10 @@ vm-test: deps
 	scripts/run-tests.sh vm
 
 demo: deps
-	$(PY) scripts/demo.py
+	$(PY) scripts/demo.py $(DEMO_ARGS)
+
+demo-host: deps
+	$(PY) scripts/demo.py --host-only
 
 bench: deps
 	$(PY) bench/attest.py

@@ -1,0 +1,206 @@
+"""``make demo``'s pieces that need no VM: the node's connection multiplexer, the seed it boots
+with, the image's kubeadm stand-in, the Ubuntu ISO check and the host's verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import demo  # noqa: E402
+import demo_guest  # noqa: E402
+
+from agent.kubeadm import join_configuration, write_join_config  # noqa: E402
+
+FLIP = bytes(255 - i for i in range(256))  # the echo server answers each byte inverted
+
+
+@pytest.fixture
+def echo_port() -> Iterator[int]:
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+
+            def echo(conn: socket.socket = conn) -> None:
+                while data := conn.recv(65536):
+                    conn.sendall(data.translate(FLIP))
+                conn.close()
+
+            threading.Thread(target=echo, daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    yield int(server.getsockname()[1])
+    server.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _exchange(port: int, payload: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+
+        def write() -> None:
+            conn.sendall(payload)
+            conn.shutdown(socket.SHUT_WR)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        received = b""
+        while data := conn.recv(65536):
+            received += data
+        writer.join()
+    return received
+
+
+def test_the_multiplexer_carries_concurrent_connections_to_the_mapped_port_only(echo_port: int) -> None:
+    guest_port, unmapped = _free_port(), _free_port()
+    with demo.host_relay({guest_port: echo_port}) as relay:
+        demo_guest.start_guest_relay(f"127.0.0.1:{relay}", [guest_port, unmapped])
+        results: dict[int, bool] = {}
+
+        def client(i: int) -> None:
+            payload = os.urandom(200_000 + i)
+            results[i] = _exchange(guest_port, payload) == payload.translate(FLIP)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert results == dict.fromkeys(range(6), True)
+        # a port the host has no forward for: the connection is closed, nothing is dialled
+        assert _exchange(unmapped, b"hello") == b""
+
+
+def test_the_seed_configures_the_agent_with_root_only_files_and_no_secret() -> None:
+    text = demo.user_data(bundle=b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
+                          kubeadm_path="/run/nodetrust-demo/kubeadm")  # fmt: skip
+    assert text.startswith("#cloud-config\n")
+    cloud = yaml.safe_load(text)
+    files = {f["path"]: f for f in cloud["write_files"]}
+    assert {f["permissions"] for f in files.values()} <= {"0600", "0700"}
+    config = yaml.safe_load(files["/run/nodetrust-demo/config.yaml"]["content"])
+    assert config["server"] == "127.0.0.1:8081" and config["join_server"] == "127.0.0.1:8082"
+    assert config["tcti"] == "device:/dev/tpmrm0" and config["pool"] == "cpu"
+    from agent.config import SETTINGS
+
+    assert set(config) <= {s.key for s in SETTINGS}  # the agent refuses unknown keys
+    assert ["systemctl", "mask", "--runtime", "systemd-time-wait-sync.service"] in cloud["bootcmd"]
+    assert cloud["runcmd"] == [
+        [demo.VENV_PYTHON, "/run/nodetrust-demo/guest.py", "run", "/run/nodetrust-demo"]
+    ]
+    assert json.loads(files["/run/nodetrust-demo/demo.json"]["content"])["forward"] == "10.0.2.100:8080"
+
+
+def _join_doc(**change: Any) -> dict[str, Any]:
+    inputs: dict[str, Any] = {
+        "token": "abcdef.0123456789abcdef",
+        "api_server_endpoint": "192.0.2.10:6443",
+        "ca_cert_hashes": ["sha256:" + "a" * 64],
+        "node_name": "demo-node-1",
+        "taints": [],
+        "labels": {"nodetrust.io/pool": "cpu"},
+    }
+    return join_configuration(**{**inputs, **change})
+
+
+def _stand_in(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    record = tmp_path / "record.jsonl"
+    code = (
+        f"import sys, pathlib; sys.path.insert(0, {str(SCRIPTS)!r}); import demo_guest;"
+        f"demo_guest.RECORD = pathlib.Path({str(record)!r}); sys.exit(demo_guest.main(sys.argv[1:]))"
+    )
+    result = subprocess.run([sys.executable, "-c", code, "kubeadm", *argv], capture_output=True, text=True,
+                            check=False, timeout=60)  # fmt: skip
+    return result, [json.loads(line) for line in record.read_text().splitlines()]
+
+
+def test_the_kubeadm_stand_in_accepts_the_agents_join_configuration_and_redacts_the_token(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "join.yaml"
+    write_join_config(path, _join_doc())
+    result, calls = _stand_in(tmp_path, "join", "--config", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "This node has joined the cluster" in result.stdout
+    assert calls[0]["valid"] and calls[0]["mode"] == "0600"
+    assert calls[0]["config"]["discovery"]["bootstrapToken"]["token"] == "abcdef.<redacted>"
+    assert "0123456789abcdef" not in json.dumps(calls)
+    assert demo.validate_join_configuration(calls[0]["config"]) == []
+
+
+def test_the_kubeadm_stand_in_refuses_what_kubeadm_would(tmp_path: Path) -> None:
+    path = tmp_path / "join.yaml"
+    write_join_config(path, _join_doc())
+    path.chmod(0o644)
+    result, calls = _stand_in(tmp_path, "join", "--config", str(path))
+    assert result.returncode == 1 and "must be 0600" in result.stderr
+    doc = _join_doc()
+    doc["discovery"]["bootstrapToken"]["caCertHashes"] = []
+    doc["nodeRegistration"]["name"] = "Not_A_Name"
+    write_join_config(path, doc)
+    result, calls = _stand_in(tmp_path, "join", "--config", str(path))
+    assert result.returncode == 1
+    assert any("caCertHashes" in e for e in calls[-1]["errors"])
+    assert any("DNS-1123" in e for e in calls[-1]["errors"])
+    result, calls = _stand_in(tmp_path, "join", "--token", "x")
+    assert result.returncode == 1 and "only takes `join --config FILE`" in result.stderr
+
+
+def test_ubuntu_iso_must_be_an_iso_9660_image(tmp_path: Path) -> None:
+    with pytest.raises(demo.DemoError, match=r"no such file; set UBUNTU_ISO to the Ubuntu 24\.04"):
+        demo.check_ubuntu_iso(str(tmp_path / "missing.iso"))
+    junk = tmp_path / "junk.iso"
+    junk.write_bytes(b"\0" * 40000)
+    with pytest.raises(demo.DemoError, match="is not an ISO 9660 image"):
+        demo.check_ubuntu_iso(str(junk))
+    iso = tmp_path / "ok.iso"
+    iso.write_bytes(b"\0" * 0x8001 + b"CD001" + b"\0" * 100)
+    assert demo.check_ubuntu_iso(str(iso)) == iso.resolve()
+
+
+def test_the_verdict_reads_the_servers_records(tmp_path: Path) -> None:
+    tokens = tmp_path / "server" / "tokens"
+    tokens.mkdir(parents=True)
+    guest = demo.GuestSteps(4)
+    for name in ("attest", "check", "join"):
+        guest.entries.append({"name": name, "ok": True})
+    config = json.loads(json.dumps(_join_doc()).replace("0123456789abcdef", "<redacted>"))
+    guest.entries.append({"name": "kubeadm", "ok": True, "calls": [{"config": config}]})
+    guest.done = {"done": True, "ok": True}
+    # the node says it joined, but the server issued nothing: the verdict fails
+    problems = demo.verdict(tmp_path, [], guest, [])
+    assert any("no successful attestation" in p for p in problems)
+    assert any("no successful join of demo-node-1" in p for p in problems)
+    audit = [
+        {"event": "attest", "result": "ok", "ek_trust": "ca"},
+        {"event": "join", "result": "ok", "node_name": "demo-node-1", "pool": "cpu", "token_id": "abcdef"},
+    ]
+    (tokens / "bootstrap-token-abcdef.yaml").write_text(
+        "stringData:\n  token-id: abcdef\n  token-secret: 0123456789abcdef\n"
+    )
+    log = tmp_path / "console.log"
+    log.write_text("nothing secret\n")
+    assert demo.verdict(tmp_path, audit, guest, [log]) == []
+    log.write_text("oops abcdef.0123456789abcdef\n")
+    assert any("appears in" in p for p in demo.verdict(tmp_path, audit, guest, [log]))

@@ -1,0 +1,112 @@
+"""``make demo``'s VM chain on the session's fixture build (``scripts/demo.py --image``): one boot.
+
+The verdict comes from the server's own records (its audit log and the file token backend's
+folder) and from the node's data port, not from the demo's console text: the node attested
+with a CA-trusted EK, its checks passed against the CPU pool, the broker issued a token for it,
+kubeadm received that token in a valid JoinConfiguration from a 0600 file, and the token's
+secret appears in no log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import Build, domains
+
+pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(3600)]
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _demo(*args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "demo.py"), *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        out, _ = proc.communicate(timeout=2400)
+    except BaseException:
+        proc.send_signal(signal.SIGTERM)  # the demo removes its VM, swtpm and server on SIGTERM
+        proc.communicate(timeout=300)
+        raise
+    kept = re.search(r"^demo: kept (\S+)$", out, re.MULTILINE)
+    assert kept, f"the demo did not say which folder it kept:\n{out[-6000:]}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), Path(kept.group(1))
+
+
+def _data_port(work: Path) -> list[dict[str, Any]]:
+    lines = (work / "vm" / "data.log").read_text(errors="replace").splitlines()
+    return [json.loads(line.partition("NODETRUST-DEMO ")[2]) for line in lines if "NODETRUST-DEMO " in line]
+
+
+def test_demo_attests_checks_and_joins_the_booted_image(full_build: Build) -> None:
+    result, work = _demo("--image", str(full_build.folder), "--keep")
+    try:
+        assert result.returncode == 0, f"the demo failed ({result.returncode}):\n{result.stdout[-8000:]}"
+
+        audit = [json.loads(x) for x in (work / "server" / "data" / "audit.jsonl").read_text().splitlines()]
+        attests = [e for e in audit if e["event"] == "attest"]
+        joins = [e for e in audit if e["event"] == "join"]
+        assert attests and all(e["result"] == "ok" for e in attests), attests
+        assert {e["ek_trust"] for e in attests} == {"ca"}  # the manufactured EK certificate, via the EK CA
+        assert attests[0]["spiffe_id"].startswith("spiffe://demo.nodetrust.test/spire/agent/tpm/")
+        assert attests[0]["peer"].startswith("ipv4:127.0.0.1:")  # through the guestfwd relay
+        assert len(joins) == 1, joins
+        join = joins[0]
+        assert (join["result"], join["node_name"], join["pool"], join["verdict"]) == (
+            "ok", "demo-node-1", "cpu", "pass",
+        )  # fmt: skip
+        assert join["spiffe_id"] in {e["spiffe_id"] for e in attests}
+
+        tokens = sorted((work / "server" / "tokens").glob("*.yaml"))
+        assert [t.name for t in tokens] == [f"bootstrap-token-{join['token_id']}.yaml"]
+        assert tokens[0].stat().st_mode & 0o077 == 0
+        secret = yaml.safe_load(tokens[0].read_text())["stringData"]["token-secret"]
+
+        steps = {e.get("name"): e for e in _data_port(work) if "name" in e}
+        assert [e for e in _data_port(work) if e.get("done")] == [{"done": True, "ok": True}]
+        assert steps["boot"]["unit"]["ExecMainStatus"] == "2"  # the unconfigured first run, as shipped
+        assert steps["attest"]["ok"] and steps["check"]["ok"] and steps["join"]["joined"]
+        assert steps["join"]["unit"]["Result"] == "success"
+        calls = steps["kubeadm"]["calls"]
+        assert len(calls) == 1 and calls[0]["valid"] and calls[0]["mode"] == "0600", calls
+        assert calls[0]["argv"][:2] == ["join", "--config"]
+        discovery = calls[0]["config"]["discovery"]["bootstrapToken"]
+        assert discovery["token"] == f"{join['token_id']}.<redacted>"
+        assert discovery["apiServerEndpoint"] == "192.0.2.10:6443"
+        assert calls[0]["config"]["nodeRegistration"]["name"] == "demo-node-1"
+
+        for text in (result.stdout, *(p.read_text(errors="replace") for p in (work / "vm").glob("*.log"))):
+            assert secret not in text
+        assert not [d for d in domains() if "-demo-" in d]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_demo_refuses_a_missing_ubuntu_iso(tmp_path: Path) -> None:
+    """No VM: the real image's path stops at once, naming the variable and the ISO it wants."""
+    result = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "demo.py")],
+        cwd=REPO,
+        env={**os.environ, "UBUNTU_ISO": str(tmp_path / "missing.iso")},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 1
+    assert f"UBUNTU_ISO={tmp_path / 'missing.iso'}: no such file" in result.stderr
+    assert "ubuntu-24.04.4-live-server-amd64.iso" in result.stderr
