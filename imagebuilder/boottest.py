@@ -367,15 +367,20 @@ def run_boot_test(opts: BootTestOptions) -> Verdict:
         )
 
         def on_console(line: str) -> None:
-            if "nodetrust-boottest:" in line:
-                log.info("%s", line[line.find("nodetrust-boottest:") :])
+            if "nodetrust-boottest:" in line:  # the checks come again in the verdict: progress only
+                said = line[line.find("nodetrust-boottest:") :]
+                level = logging.DEBUG if said.split()[1:2] in (["PASS"], ["FAIL"]) else logging.INFO
+                log.log(level, "%s", said)
 
         def on_data(line: str) -> bool:
             lines.append(line)
+            if line.startswith(EARLY + " "):
+                log.info("boot test: the early checks reported; waiting for the late ones")
             return line.startswith(LATE + " ")
 
         with BootVm(spec, work / "vm", label="boottest", libvirt_uri=opts.libvirt_uri) as vm:
             log.info("boot test: booting %s (%s; console: %s)", opts.image.name, opts.accel, vm.console)
+
             try:
                 vm.follow(
                     on_console=on_console, on_data=on_data, idle_s=opts.idle_s, total_s=opts.total_s,

@@ -262,7 +262,11 @@ def check_agent(expect: dict[str, Any]) -> list[Check]:
         "--property=ActiveState,Result,ExecMainStatus,ExecMainStartTimestampMonotonic",
     )
     props = dict(line.partition("=")[::2] for line in out.splitlines())
-    _rc, journal = _run("journalctl", "-b", "-u", service, "-o", "cat", "-n", "2", "--no-pager")
+    _rc, journal = _run("journalctl", "-b", "-u", service, "-o", "cat", "-n", "12", "--no-pager")
+    # the agent's own last words, not systemd's bookkeeping ("nodeagent.service: Consumed ...")
+    bookkeeping = (service + ":", "Started ", "Starting ", "Failed to start ", "Stopped ", "Deactivated ")
+    said = [line for line in journal.splitlines() if line.strip() and not line.startswith(bookkeeping)]
+    journal = "\n".join(said[-1:]) or journal
     ran = props.get("ExecMainStartTimestampMonotonic", "0") not in ("", "0")
     status = props.get("ExecMainStatus", "")
     checks.append(
