@@ -73,6 +73,26 @@ class ImageFiles:
         match = re.search(r'Fast link dest: "([^"]*)"', out)
         return match.group(1) if match else ""
 
+    def replace(self, path: str, data: bytes) -> None:
+        """Write ``path`` in the raw copy (debugfs -w, the file system unmounted): the image as a broken
+        build would have shipped it."""
+        source = self.raw.with_name("replace.tmp")
+        source.write_bytes(data)
+        requests = self.raw.with_name("replace.debugfs")
+        requests.write_text(
+            f"rm {path}\nwrite {source} {path}\n" if self.exists(path) else f"write {source} {path}\n"
+        )
+        result = run("debugfs", "-w", "-f", str(requests), self.device, check=False)
+        source.unlink()
+        assert self.read(path) == data, (
+            f"debugfs could not write {path}: {result.stderr.decode(errors='replace')}"
+        )
+
+    def save_qcow2(self, dest: Path) -> Path:
+        """The raw copy (with what :meth:`replace` wrote) as a QCOW2 at ``dest``."""
+        run("qemu-img", "convert", "-O", "qcow2", str(self.raw), str(dest))
+        return dest
+
     def close(self) -> None:
         self.raw.unlink(missing_ok=True)
 

@@ -1,16 +1,20 @@
 """A full build of examples/fixture-node.yaml: the published folder, the image's contents against the
-manifest (read offline), and the image booted again with an emulated TPM."""
+manifest (read offline), the build's own boot test (the image booted with an emulated TPM and checked
+from inside), and `imagebuilder test` failing a deliberately broken copy of the image."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Build, domains, wait_for_other_vms
-from imagecheck import ImageFiles, boot_image, boot_report, dpkg_status, scratch
+from conftest import Build, Env, domains, imagebuilder, wait_for_other_vms
+from imagecheck import ImageFiles, dpkg_status, scratch
+
+from imagebuilder.boottest import expect_from_manifest, expected_checks
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(5400)]
 REPO = Path(__file__).resolve().parent.parent
@@ -115,19 +119,90 @@ def test_the_image_contents_match_the_manifest(full_build: Build) -> None:
             files.close()
 
 
-def test_the_image_boots_and_the_agent_uses_its_tpm(full_build: Build) -> None:
-    wait_for_other_vms()
+# The checks the issue names: each must be in the build's report, and have passed.
+NAMED_CHECKS = (
+    "image/machine-id",
+    "image/ssh-host-keys",
+    "image/agent-config",
+    "kubernetes/installed",
+    "kubernetes/held",
+    "kubernetes/staged",
+    "files/kubernetes 1.34.2 (staged)",
+    "files/kubernetes 1.35.3 (staged)",
+    "files/kubernetes 1.37.2 (staged)",
+    "files/spire-agent 1.14.1",
+    "files/spire-tpm-plugin 1.9.0",
+    "files/ovn-kubernetes 2.4.2",
+    "files/nodeagent units",
+    "agent/venv",
+    "agent/units",
+    "agent/tpm",
+    "agent/service",
+    "packages",
+    "cloud-init",
+)
+
+
+def test_the_build_boot_tested_the_image(full_build: Build) -> None:
+    """The build booted its image (swtpm, NoCloud seed) before publishing, and every check passed inside."""
+    folder = full_build.folder
+    report = json.loads((folder / "boot-test.json").read_text())
+    checks = {c["name"]: c for c in report["checks"]}
+    failed = [f"{c['name']}: {c['detail']}" for c in report["checks"] if not c["ok"]]
+    assert report["passed"] is True and not failed, failed
+    assert list(checks) == list(NAMED_CHECKS)  # the report's checks, in the order expect.json asks for them
+    assert expected_checks(expect_from_manifest(_manifest(full_build))) == list(NAMED_CHECKS)
+    assert report["build_id"] == folder.name and report["image"] == "fixture-node.qcow2"
+    assert report["accelerator"] in ("kvm", "tcg") and report["kernel"]
+    assert (
+        checks["kubernetes/installed"]["detail"]
+        == "kubeadm 1.36.3-1.1; kubelet 1.36.3-1.1; kubectl 1.36.3-1.1"
+    )
+    assert checks["kubernetes/staged"]["detail"] == "staged: 1.34.2, 1.35.3, 1.37.2"
+    assert checks["agent/units"]["detail"] == "nodeagent.service enabled"
+    assert "ran at boot and stopped with status 2" in checks["agent/service"]["detail"]
+    # tpm2-pytss (compiled by the lock for Python 3.11) and the agent's TPM code read the swtpm's EK
+    assert re.fullmatch(r".*sha256 [0-9a-f]{64}", checks["agent/tpm"]["detail"])
+    # the report is an output of the build: in the manifest, SHA256SUMS and the phases
+    manifest = _manifest(full_build)
+    assert manifest["boot_test"] == {"passed": True, "report": "boot-test.json", "checks": len(NAMED_CHECKS)}
+    entry = next(o for o in manifest["outputs"] if o["name"] == "boot-test.json")
+    assert entry["sha256"] == hashlib.sha256((folder / "boot-test.json").read_bytes()).hexdigest()
+    assert "  boot-test.json" in (folder / "SHA256SUMS").read_text()
+    boot = next(p for p in manifest["phases"] if p["name"] == "boot-test")
+    print(f"\nboot test inside the build: {boot['duration_s']:.0f} s ({report['accelerator']})")
+    assert "boot test passed: 19 checks" in full_build.stderr
+
+
+def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, full_build: Build) -> None:
+    """A copy of the image with a machine id and an SSH host key written offline (as a build that forgot
+    to generalise would ship it): `imagebuilder test` boots it, exits 1 and names exactly those checks."""
     with scratch() as tmp:
-        console = boot_image(full_build.folder / "fixture-node.qcow2", Path(tmp))
-    report = boot_report(console)
-    assert report["kubeadm"] == "kubeadm v1.36.3 (nodetrust fixture stand-in)"
-    assert report["kubelet"] == "kubelet v1.36.3 (nodetrust fixture stand-in)"
-    assert set(report["held"].split()) == {"kubeadm", "kubectl", "kubelet"}
-    assert report["nodeagent-enabled"] == "enabled"
-    assert report["machine-id-length"] == "32"  # generated at first boot, from the empty one in the image
-    assert report["spire-agent"] == "spire-agent 1.14.1 (nodetrust fixture stand-in)"
-    assert report["staged"].split() == ["1.34.2", "1.35.3", "1.37.2"]
-    # tpm2-pytss (compiled by the lock for Python 3.11) and the agent's TPM code against a real TPM 2.0
-    assert report.get("tpm-attestation-data") == "ok", console[-4000:]
-    assert len(report["tpm-agent-id"]) == 64
-    assert report["agent-python-exit"] == "0"
+        work = Path(tmp)
+        work.chmod(0o755)
+        files = ImageFiles(full_build.folder / "fixture-node.qcow2", work)
+        try:
+            files.replace("/etc/machine-id", b"0123456789abcdef0123456789abcdef\n")
+            files.replace(
+                "/etc/ssh/ssh_host_ed25519_key.pub", b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIshipped\n"
+            )
+            broken = files.save_qcow2(work / "broken.qcow2")
+        finally:
+            files.close()
+        wait_for_other_vms()
+        report = work / "report.json"
+        tested = imagebuilder(env, "test", str(broken), "--manifest", str(full_build.folder / "manifest.json"),
+                              "--work-dir", str(work), "--cache-dir", str(env.cache), "--report", str(report),
+                              timeout=2400)  # fmt: skip
+        assert tested.returncode == 1, f"exit {tested.returncode}\n{tested.stdout}\n{tested.stderr[-4000:]}"
+        verdict = json.loads(report.read_text())
+    failed = {c["name"]: c["detail"] for c in verdict["checks"] if not c["ok"]}
+    assert set(failed) == {"image/machine-id", "image/ssh-host-keys"}, failed
+    assert "shipped a machine id (01234567..." in failed["image/machine-id"]
+    assert "ssh_host_ed25519_key.pub" in failed["image/ssh-host-keys"]
+    assert len(verdict["checks"]) == len(NAMED_CHECKS)  # the rest of the image still passes
+    assert "FAIL image/machine-id:" in tested.stdout
+    assert tested.stdout.rstrip().endswith(
+        "boot test FAILED: 2 of 19 checks failed: image/machine-id, image/ssh-host-keys"
+    )
+    assert not [d for d in domains() if "boottest" in d]  # the test VM is gone
