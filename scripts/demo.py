@@ -57,6 +57,7 @@ GUEST_ATTEST_PORT, GUEST_JOIN_PORT = 8081, 8082  # the guest relay's ports on th
 GUEST_FORWARD = "10.0.2.100:8080"  # imagebuilder.domain.GUEST_FORWARD: the one stream to the host
 SEED_DIR = "/run/nodetrust-demo"
 VENV_PYTHON = "/opt/nodeagent/venv/bin/python3"
+KUBEADM_STAND_IN = "/usr/local/sbin/nodetrust-demo-kubeadm"  # /run is mounted noexec
 OTHER_VM_WAIT_S = 1800
 VM_IDLE_S, VM_TOTAL_S = 600, 1500
 CONSOLE_MILESTONES = re.compile(
@@ -388,7 +389,7 @@ def check_ubuntu_iso(value: str) -> Path:
 
 
 def imagebuilder_cmd(args: list[str], env: dict[str, str]) -> str:
-    """Run ``imagebuilder ARGS``, echoing its log; return its last stdout line (the build folder)."""
+    """Run ``imagebuilder ARGS``, echoing its log; return the last folder it printed (the build's)."""
     print("  $ imagebuilder " + " ".join(args), flush=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "imagebuilder.cli", *args],
@@ -400,7 +401,8 @@ def imagebuilder_cmd(args: list[str], env: dict[str, str]) -> str:
     try:
         for line in proc.stdout:
             if line.strip():
-                last = line.strip()
+                if Path(line.strip()).is_absolute() and Path(line.strip()).is_dir():
+                    last = line.strip()  # the build folder, on stdout (interleaved with the log)
                 print("    " + line.rstrip(), flush=True)
         rc = proc.wait()
     except BaseException:
@@ -560,7 +562,7 @@ class GuestSteps:
                 if call.get("config"):
                     say(yaml.safe_dump(call["config"], sort_keys=False), "    ")
         elif entry.get("name") == "check":
-            say("\n".join(str(entry.get("output", "")).splitlines()[-10:]))
+            say("\n".join(str(entry.get("output", "")).splitlines()[-16:]))
         else:
             say(str(entry.get("output", "")))
         return False
@@ -678,7 +680,7 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
         vmdir = work / "vm"
         vmdir.mkdir()
         seed = make_seed(
-            user_data(bundle=server.bundle, kubeadm_path=f"{SEED_DIR}/kubeadm"),
+            user_data(bundle=server.bundle, kubeadm_path=KUBEADM_STAND_IN),
             f"instance-id: nodetrust-demo-{secrets.token_hex(4)}\nlocal-hostname: {NODE_NAME}\n",
             work / "seed.iso",
         )

@@ -94,7 +94,7 @@ def test_the_multiplexer_carries_concurrent_connections_to_the_mapped_port_only(
 
 def test_the_seed_configures_the_agent_with_root_only_files_and_no_secret() -> None:
     text = demo.user_data(bundle=b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
-                          kubeadm_path="/run/nodetrust-demo/kubeadm")  # fmt: skip
+                          kubeadm_path="/usr/local/sbin/nodetrust-demo-kubeadm")  # fmt: skip
     assert text.startswith("#cloud-config\n")
     cloud = yaml.safe_load(text)
     files = {f["path"]: f for f in cloud["write_files"]}
