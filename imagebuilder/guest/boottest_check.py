@@ -429,7 +429,15 @@ def main(argv: list[str]) -> int:
             traceback.print_exc()
             return 0  # never fail cloud-init's bootcmd: the host reports the missing verdict
     if argv[1:] == ["late"]:
-        return late()
+        try:
+            return late()
+        except Exception:  # still a verdict (a failed one) and a powered-off VM, never a hang
+            crash = _check("checker", False, "the late checks crashed: " + traceback.format_exc()[-600:])
+            try:
+                report(json.loads((STATE / EXPECT).read_text()), "NODETRUST-BOOTTEST", [crash], {})
+            finally:
+                _run("systemctl", "poweroff", "--no-block")
+            return 1
     print(f"usage: {SCRIPT} early SEED | late", file=sys.stderr)
     return 2
 

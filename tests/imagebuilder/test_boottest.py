@@ -375,3 +375,27 @@ def test_the_command_never_writes_into_the_signed_folder(
     monkeypatch.setattr(boottest, "run_boot_test", _no_vm)
     assert cli.main(["test", str(folder), "--accel", "tcg", "--report", str(folder / "boot-test.json")]) == 8
     assert "whose files SHA256SUMS and the signature cover" in capsys.readouterr().err
+
+
+def test_a_crashing_late_part_still_reports_and_powers_off(
+    manifest: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expect = expect_from_manifest(manifest)
+    port = tmp_path / "data.log"
+    (tmp_path / boottest.EXPECT).write_text(
+        json.dumps({**expect, "data_port": str(port), "console": str(tmp_path / "console.log")})
+    )
+    ran: list[tuple[str, ...]] = []
+    monkeypatch.setattr(boottest_check, "STATE", tmp_path)  # no early.json: the late part crashes
+
+    def fake_run(*argv: str, timeout: float = 0) -> tuple[int, str]:
+        ran.append(argv)
+        return 0, ""
+
+    monkeypatch.setattr(boottest_check, "_run", fake_run)
+    assert boottest_check.main(["nodetrust-boottest.py", "late"]) == 1
+    assert ran == [("systemctl", "poweroff", "--no-block")]
+    verdict = verdict_from_reports(port.read_text().splitlines(), expect)
+    assert not verdict.passed
+    assert verdict.failed[0].name == "checker" and "early.json" in verdict.failed[0].detail
+    assert verdict.failed[-1].name == "report/complete"
