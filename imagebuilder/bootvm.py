@@ -25,6 +25,7 @@ import logging
 import secrets
 import shutil
 import subprocess
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 #: The guest address every forward listens on (the same one the installer's listener uses).
 FORWARD_HOST = "10.0.2.100"
 SOCKET_WAIT_S = 10.0
+SOCKET_PATH_MAX = 100  # sun_path is 108 bytes
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,10 @@ class Swtpm:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 tail = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
                 self.close()
-                raise VmError(f"swtpm did not open {socket_path}\n{tail}", hint="apt-get install swtpm")
+                raise VmError(
+                    f"swtpm did not open {socket_path}\n{tail}",
+                    hint="see swtpm's log above; is swtpm installed (apt-get install swtpm)?",
+                )
             time.sleep(0.05)
 
     def close(self) -> None:
@@ -165,7 +170,7 @@ class BootVm:
         self._stack.callback(conn.close)
         remove_orphans(conn)
         tpm = Swtpm(
-            spec.tpm_state or work / "tpm", work / "swtpm.sock", work / "swtpm.log", qemu_owner(conn)
+            spec.tpm_state or work / "tpm", self._socket_path(work), work / "swtpm.log", qemu_owner(conn)
         )
         self._stack.callback(tpm.close)
         forwards: tuple[tuple[str, str], ...] = ()
@@ -203,6 +208,17 @@ class BootVm:
             network=spec.network,
         )
         self.domain = self._stack.enter_context(conn.domain(domain_xml(domain_spec)))
+
+    def _socket_path(self, work: Path) -> Path:
+        """``work/swtpm.sock``, or one in a private folder under /tmp when that path is too long for a UNIX
+        socket (108 bytes with its terminating NUL; deep CI work directories exceed it)."""
+        path = work / "swtpm.sock"
+        if len(str(path).encode()) <= SOCKET_PATH_MAX:
+            return path
+        folder = Path(tempfile.mkdtemp(prefix="imagebuilder-swtpm-", dir="/tmp"))  # a private mkdtemp
+        folder.chmod(0o711)  # QEMU (another user) opens the socket by its path; nobody may list the folder
+        self._stack.callback(shutil.rmtree, folder, True)
+        return folder / "swtpm.sock"
 
     def follow(
         self,

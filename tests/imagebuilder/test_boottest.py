@@ -399,3 +399,21 @@ def test_a_crashing_late_part_still_reports_and_powers_off(
     assert not verdict.passed
     assert verdict.failed[0].name == "checker" and "early.json" in verdict.failed[0].detail
     assert verdict.failed[-1].name == "report/complete"
+
+
+def test_the_swtpm_socket_path_fits_a_unix_socket(tmp_path: Path) -> None:
+    from imagebuilder.bootvm import BootSpec, BootVm
+
+    spec = BootSpec(image=tmp_path / "x.qcow2", seed=None, accel="tcg")
+    short = BootVm(spec, tmp_path / "vm", label="t")
+    assert short._socket_path(tmp_path / "vm") == tmp_path / "vm" / "swtpm.sock"
+    deep = tmp_path / ("d" * 120)
+    vm = BootVm(spec, deep, label="t")
+    path = vm._socket_path(deep)
+    assert (
+        len(str(path).encode()) < 108
+        and path.parent.is_dir()
+        and path.parent.stat().st_mode & 0o777 == 0o711
+    )
+    vm.__exit__(None, None, None)
+    assert not path.parent.exists()
