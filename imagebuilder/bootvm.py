@@ -60,6 +60,9 @@ class BootSpec:
     tpm_state: Path | None = None  # an swtpm state folder; None: a fresh TPM
     forwards: tuple[tuple[int, int], ...] = ()  # (guest port on FORWARD_HOST, loopback port of the host)
     network: bool = True
+    # A loopback port of the host: the guest's 10.0.2.100:8080 (domain.GUEST_FORWARD) is one byte stream
+    # to it, through a QEMU character device (works under libvirt's seccomp sandbox, unlike ``forwards``).
+    listener_port: int | None = None
 
 
 def qemu_owner(conn: Connection) -> tuple[int, int]:
@@ -206,6 +209,7 @@ class BootVm:
             tpm_socket=tpm.socket,
             forwards=forwards,
             network=spec.network,
+            listener_port=spec.listener_port,
         )
         self.domain = self._stack.enter_context(conn.domain(domain_xml(domain_spec)))
 
