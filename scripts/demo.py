@@ -64,6 +64,10 @@ CONSOLE_MILESTONES = re.compile(
     r"Linux version|Reached target (Basic System|Multi-User|Cloud-init)|Cloud-init v\. \S+ (running|finished)"
     r"|Power-Off|reboot: Power down"
 )
+# The boot loader or the kernel gave up: no point waiting for the idle limit.
+BOOT_FAILURE = re.compile(
+    r"grub rescue>|^error: invalid arch-independent ELF magic|Kernel panic - not syncing"
+)
 ESC = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
@@ -531,6 +535,11 @@ class GuestSteps:
 
     def on_console(self, line: str) -> None:
         line = ESC.sub("", line).strip()
+        if BOOT_FAILURE.search(line):
+            raise DemoError(
+                f"the image does not boot: its console says {line[:200]!r}; rebuild it "
+                "(without --no-test, `imagebuilder build` boot-tests the image before publishing it)"
+            )
         if CONSOLE_MILESTONES.search(line):
             print(f"  [console] {line[:160]}", flush=True)
 

@@ -204,3 +204,12 @@ def test_the_verdict_reads_the_servers_records(tmp_path: Path) -> None:
     assert demo.verdict(tmp_path, audit, guest, [log]) == []
     log.write_text("oops abcdef.0123456789abcdef\n")
     assert any("appears in" in p for p in demo.verdict(tmp_path, audit, guest, [log]))
+
+
+def test_a_console_that_shows_a_dead_boot_stops_the_demo_at_once() -> None:
+    guest = demo.GuestSteps(4)
+    guest.on_console("[    0.000000] Linux version 6.1.0-50-amd64")
+    for line in ("\x1b[0m\x1b[37m\x1b[40merror: invalid arch-independent ELF magic.", "grub rescue> ",
+                 "[   3.2] Kernel panic - not syncing: VFS: Unable to mount root fs"):  # fmt: skip
+        with pytest.raises(demo.DemoError, match="the image does not boot"):
+            guest.on_console(line)
