@@ -242,6 +242,24 @@ def host_chain(work: Path) -> int:
 # -- the VM chain: services, image, seed, boot ------------------------------------------------------
 
 
+def _qemu_user_in_kvm_group() -> None:
+    """As scripts/services.sh does: QEMU's user joins /dev/kvm's group, or libvirt re-probes QEMU
+    on every domain start (~100 s each). Idempotent; only before libvirtd starts."""
+    import grp
+    import pwd
+
+    kvm = Path("/dev/kvm")
+    try:
+        user = pwd.getpwnam("libvirt-qemu")
+    except KeyError:
+        return
+    if not kvm.exists():
+        return
+    group = grp.getgrgid(kvm.stat().st_gid)
+    if user.pw_gid != group.gr_gid and user.pw_name not in group.gr_mem:
+        subprocess.run(["/usr/sbin/usermod", "-aG", group.gr_name, user.pw_name], check=True)
+
+
 @contextlib.contextmanager
 def libvirt_services(work: Path) -> Iterator[None]:
     """virtlogd and libvirtd, started here only if they are not running; stopped only if started here."""
@@ -258,6 +276,8 @@ def libvirt_services(work: Path) -> Iterator[None]:
             binary = Path("/usr/sbin") / name
             if not binary.exists():
                 raise DemoError(f"{binary} is missing: run `make deps` (installs libvirt-daemon-system)")
+            if name == "libvirtd":
+                _qemu_user_in_kvm_group()
             Path("/var/run/libvirt").mkdir(parents=True, exist_ok=True)
             Path("/var/log/libvirt/qemu").mkdir(parents=True, exist_ok=True)
             with (work / f"{name}.log").open("wb") as log:
