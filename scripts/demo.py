@@ -673,7 +673,10 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
             step(1, f"The image: {args.image} (--image, not built)")
             folder = Path(args.image).resolve()
         else:
-            step(1, "The image: imagebuilder lock and build (about 3-4 minutes under TCG)")
+            step(
+                1,
+                "The image: imagebuilder lock and build (about 4 minutes here under TCG, less on a cached base)",
+            )
             started = time.monotonic()
             folder = build_image(work, stack, Path(args.cache_dir), args.ubuntu_iso)
             print(f"  built {folder} in {time.monotonic() - started:.0f} s")
