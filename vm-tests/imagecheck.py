@@ -38,7 +38,8 @@ class ImageFiles:
         table = json.loads(run("sfdisk", "-J", str(self.raw)).stdout)["partitiontable"]
         sector = int(table.get("sectorsize", 512))
         root = max(table["partitions"], key=lambda p: int(p["size"]))
-        self.device = f"{self.raw}?offset={int(root['start']) * sector}"
+        self.offset, self.size = int(root["start"]) * sector, int(root["size"]) * sector
+        self.device = f"{self.raw}?offset={self.offset}"
 
     def _debugfs(self, request: str) -> tuple[str, str]:
         result = run("debugfs", "-R", request, self.device, check=False)
@@ -73,28 +74,44 @@ class ImageFiles:
         match = re.search(r'Fast link dest: "([^"]*)"', out)
         return match.group(1) if match else ""
 
+    def _writable(self) -> Path:
+        """The root partition as a file of its own, its journal replayed (the image's last boot powered off
+        with ``needs_recovery`` set: without the replay the guest's kernel would undo what debugfs wrote)."""
+        part = self.raw.with_name("root.ext4")
+        if not part.exists():
+            run("dd", f"if={self.raw}", f"of={part}", "bs=4M", "iflag=skip_bytes,count_bytes",
+                f"skip={self.offset}", f"count={self.size}", "conv=sparse", "status=none")  # fmt: skip
+            fsck = run("e2fsck", "-fy", str(part), check=False)
+            assert fsck.returncode in (0, 1), (
+                f"e2fsck {fsck.returncode}: {fsck.stdout.decode(errors='replace')}"
+            )
+        return part
+
     def replace(self, path: str, data: bytes) -> None:
-        """Write ``path`` in the raw copy (debugfs -w, the file system unmounted): the image as a broken
-        build would have shipped it."""
+        """Write ``path`` (debugfs -w on the unmounted file system): the image as a build that forgot to
+        generalise would have shipped it. :meth:`save_qcow2` makes the changed image."""
+        part = self._writable()
         source = self.raw.with_name("replace.tmp")
         source.write_bytes(data)
         requests = self.raw.with_name("replace.debugfs")
-        requests.write_text(
-            f"rm {path}\nwrite {source} {path}\n" if self.exists(path) else f"write {source} {path}\n"
-        )
-        result = run("debugfs", "-w", "-f", str(requests), self.device, check=False)
+        requests.write_text(f"rm {path}\nwrite {source} {path}\n")
+        run("debugfs", "-w", "-f", str(requests), str(part), check=False)  # rm fails when there is none
         source.unlink()
-        assert self.read(path) == data, (
-            f"debugfs could not write {path}: {result.stderr.decode(errors='replace')}"
-        )
+        written = run("debugfs", "-R", f"cat {path}", str(part)).stdout
+        assert written == data, f"debugfs could not write {path}"
 
     def save_qcow2(self, dest: Path) -> Path:
-        """The raw copy (with what :meth:`replace` wrote) as a QCOW2 at ``dest``."""
+        """The image with what :meth:`replace` wrote, as a QCOW2 at ``dest``."""
+        part = self._writable()
+        run("dd", f"if={part}", f"of={self.raw}", "bs=4M", "oflag=seek_bytes", f"seek={self.offset}",
+            "conv=notrunc", "status=none")  # fmt: skip
+        part.unlink()
         run("qemu-img", "convert", "-O", "qcow2", str(self.raw), str(dest))
         return dest
 
     def close(self) -> None:
         self.raw.unlink(missing_ok=True)
+        self.raw.with_name("root.ext4").unlink(missing_ok=True)
 
 
 def dpkg_status(text: str) -> dict[str, dict[str, str]]:
