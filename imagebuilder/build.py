@@ -125,11 +125,6 @@ def _check_reachable(root: Path) -> None:
             )
 
 
-def _reachable(path: Path) -> bool:
-    """Whether QEMU (another user) can enter ``path``: every parent traversable by others."""
-    return all(os.stat(p).st_mode & 0o001 for p in [path.resolve(), *path.resolve().parents])
-
-
 def _work_dir(opts: BuildOptions, build_id: str) -> Path:
     root = opts.work_root or Path(os.environ.get("TMPDIR", "/var/tmp"))  # noqa: S108 - a private mkdtemp below
     root.mkdir(parents=True, exist_ok=True)
@@ -445,10 +440,10 @@ class Build:
         kernel, initrd = work / "base-vmlinuz", work / "base-initrd.img"
         shutil.copyfile(installed.kernel, kernel)
         shutil.copyfile(installed.initrd, initrd)
-        # the backing file is declared relabel='no': QEMU reads the cached base through its 0644 mode
-        backing = installed.disk
-        if not _reachable(installed.folder):  # QEMU (libvirt-qemu) cannot enter the cache: copy it
-            backing = base.link_into(installed.disk, work / "base.qcow2")
+        # The overlay names its backing file by path: a hard link in the work directory (a copy on another file
+        # system) keeps this very base under it even if a concurrent `--full` build replaces the cached one, and
+        # QEMU (libvirt-qemu) can reach it there. Declared relabel='no': QEMU reads it through its 0644 mode.
+        backing = base.link_into(installed.disk, work / "base.qcow2")
         overlay = work / "image.qcow2"
         run(["qemu-img", "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", str(backing), str(overlay)],
             hint="qemu-img could not create the overlay on the installed base")  # fmt: skip

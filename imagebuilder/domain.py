@@ -266,6 +266,7 @@ def provision_cmdline(arch: str, root: str, init: str, *, accel: str = "kvm") ->
     command line never reaches the image)."""
     parts = [
         f"console={CONSOLE[arch]},115200",
+        "quiet",  # the kernel's boot messages cost seconds on an emulated serial port; panics still show
         f"root={root}",
         "rw",
         f"init={init}",

@@ -169,6 +169,7 @@ class Build:
     folder: Path
     seconds: float
     stderr: str
+    bases: Path | None = None  # the session's base cache (--base-cache): the installed base of this build
 
 
 def domains() -> list[str]:
@@ -186,15 +187,19 @@ def full_build(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
     locked = imagebuilder(env, "lock", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache))
     assert locked.returncode == 0, f"imagebuilder lock failed:\n{locked.stderr[-5000:]}"
     out, work = base / "out", work_dir(base)
+    # The session's own base cache, so that this is a full build (the installer runs) and the incremental
+    # builds of this session reuse exactly its base, whatever other sessions on the machine do.
+    bases = Path(tempfile.mkdtemp(prefix="vmtest-bases-", dir="/var/tmp"))
     wait_for_other_vms()
     started = time.monotonic()
-    # --full: the installer runs even when the shared cache kept this definition's installed base from an
-    # earlier session (the new base replaces it; test_incremental.py then builds on it)
     built = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
-                         "--out", str(out), "--work-dir", str(work), "--full")  # fmt: skip
+                         "--base-cache", str(bases), "--out", str(out), "--work-dir", str(work), "--full")  # fmt: skip
     seconds = time.monotonic() - started
     assert built.returncode == 0, f"imagebuilder build failed ({built.returncode}):\n{built.stderr[-8000:]}"
     folder = Path(built.stdout.strip().splitlines()[-1])
     print(f"\nfull fixture build: {seconds:.0f} s -> {folder}")
-    yield Build(definition, lock, out, work, folder, seconds, built.stderr)
-    shutil.rmtree(work, ignore_errors=True)
+    try:
+        yield Build(definition, lock, out, work, folder, seconds, built.stderr, bases)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(bases, ignore_errors=True)

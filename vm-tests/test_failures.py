@@ -125,7 +125,8 @@ def test_sigint_mid_build_leaves_no_domain_no_temporary_files_no_output(env: Env
     wait_for_other_vms()
     proc = subprocess.Popen(
         [sys.executable, "-m", "imagebuilder.cli", "build", str(full_build.definition), "--lock", str(full_build.lock),
-         "--cache-dir", str(env.cache), "--out", str(out), "--work-dir", str(work)],
+         "--cache-dir", str(env.cache), *(["--base-cache", str(full_build.bases)] if full_build.bases else []),
+         "--out", str(out), "--work-dir", str(work)],
         cwd=REPO, env=env.environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
