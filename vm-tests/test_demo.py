@@ -42,6 +42,9 @@ def _demo(*args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
         proc.send_signal(signal.SIGTERM)  # the demo removes its VM, swtpm and server on SIGTERM
         proc.communicate(timeout=300)
         raise
+    print(
+        "\n" + "\n".join(line for line in out.splitlines() if re.match(r"demo: |  the node ran for", line))
+    )
     kept = re.search(r"^demo: kept (\S+)$", out, re.MULTILINE)
     assert kept, f"the demo did not say which folder it kept:\n{out[-6000:]}"
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, ""), Path(kept.group(1))
