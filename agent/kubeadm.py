@@ -316,11 +316,14 @@ def kubeadm_join(config_path: Path, *, kubeadm: str = "kubeadm", timeout: float 
         try:
             result = run(argv, timeout=timeout, check=False)
         except CommandError as exc:
-            hint = (
-                f"is {kubeadm} installed in the image?"
-                if exc.message.endswith("not on PATH")
-                else "kubeadm hung (a stuck image pull or kubelet?): see `journalctl -u nodeagent -u kubelet`"
-            )
+            if exc.message.endswith("not on PATH"):
+                hint = f"is {kubeadm} installed in the image?"
+            elif "cannot be run" in exc.message:
+                hint = f"{kubeadm} must be an executable file on a file system not mounted noexec"
+            else:
+                hint = (
+                    "kubeadm hung (a stuck image pull or kubelet?): see `journalctl -u nodeagent -u kubelet`"
+                )
             raise KubeadmError(redact(exc.message, *secrets), hint=hint) from exc
         output = redact(result.stdout + "\n" + result.stderr, *secrets)
         if result.returncode != 0:

@@ -69,6 +69,10 @@ def run(
         )
     except FileNotFoundError as exc:
         raise CommandError(f"{argv[0]} is not installed or not on PATH", argv=argv, returncode=None) from exc
+    except OSError as exc:  # not executable, a noexec mount, a bad interpreter line
+        raise CommandError(
+            f"{argv[0]} cannot be run: {exc.strerror or exc}", argv=argv, returncode=None
+        ) from exc
     except subprocess.TimeoutExpired as exc:
         raise CommandError(
             f"{argv[0]} did not finish within {timeout:.0f} s", argv=argv, returncode=None

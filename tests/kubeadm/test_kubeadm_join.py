@@ -127,6 +127,18 @@ def test_kubeadm_missing(
     _assert_secret_hidden(logs, exc.value)
 
 
+def test_kubeadm_not_executable(run_dir: Path, logs: pytest.LogCaptureFixture) -> None:
+    script = run_dir / "kubeadm"
+    script.write_text("#!/bin/sh\nexit 0\n")
+    script.chmod(0o644)
+    path = _written(run_dir)
+    with pytest.raises(KubeadmError, match=r"kubeadm cannot be run: Permission denied") as exc:
+        kubeadm_join(path, kubeadm=str(script))
+    assert "executable file" in exc.value.hint and "noexec" in exc.value.hint
+    assert not path.exists()
+    _assert_secret_hidden(logs, exc.value)
+
+
 def test_kubeadm_hangs(kubeadm_double: Installer, run_dir: Path) -> None:
     script = kubeadm_double(sleep_s=30)
     path = _written(run_dir)
