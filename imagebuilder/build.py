@@ -615,7 +615,7 @@ class Build:
                 wheels, requirement, pip_wheel = self.wheelhouse(work, files)
             with phase("media"):
                 self.media(work, files, wheels, requirement, pip_wheel)
-            installed, installer, accel = self._base(work, stack)
+            installed, installer, accel = self._base(work)
             if accel is None:
                 with phase("accelerator"):
                     accel = choose_accel(
@@ -647,9 +647,7 @@ class Build:
         log.info("build %s done in %.0f s: %s", self.build_id, time.time() - self.started, folder)
         return BuildResult(self.build_id, folder, manifest)
 
-    def _base(
-        self, work: Path, stack: contextlib.ExitStack
-    ) -> tuple[base.Base, WatchResult | None, tuple[str, str] | None]:
+    def _base(self, work: Path) -> tuple[base.Base, WatchResult | None, tuple[str, str] | None]:
         """The installed base: from the cache (incremental), else installed now and cached (full)."""
         phase = self.phases.phase
         with phase("base"):
@@ -657,23 +655,25 @@ class Build:
         if found is not None:
             log.info("incremental build on the cached base %s (%s)", self.base_key[:16], found.folder)
             return found, None, None
-        stack.enter_context(self.base_cache.locked(self.base_key))
-        if not self.opts.full:  # another build may have installed it while this one waited
-            found = self.base_cache.lookup(self.base_key)
-            if found is not None:
-                return found, None, None
-        log.info("full build: installing the base %s", self.base_key[:16])
-        with phase("installer-media"):
-            self.installer_media(work)
-        with phase("accelerator"):
-            accel = choose_accel(
-                self.opts.accel, self.paths["kernel"], self.defn.architecture, self.cache.root
-            )
-            log.info("accelerator: %s (%s)", *accel)
-        with phase("install"):
-            installer = self.install(work, accel[0])
-        with phase("base-store"):
-            installed = self.store_base(work, installer)
+        with self.base_cache.locked(
+            self.base_key
+        ):  # held while installing and storing, not while provisioning
+            if not self.opts.full:  # another build may have installed it while this one waited
+                found = self.base_cache.lookup(self.base_key)
+                if found is not None:
+                    return found, None, None
+            log.info("full build: installing the base %s", self.base_key[:16])
+            with phase("installer-media"):
+                self.installer_media(work)
+            with phase("accelerator"):
+                accel = choose_accel(
+                    self.opts.accel, self.paths["kernel"], self.defn.architecture, self.cache.root
+                )
+                log.info("accelerator: %s (%s)", *accel)
+            with phase("install"):
+                installer = self.install(work, accel[0])
+            with phase("base-store"):
+                installed = self.store_base(work, installer)
         return installed, installer, accel
 
     def _console(self, dest: Path, installed: base.Base) -> None:
