@@ -8,6 +8,7 @@ cached the base; this test changes the staged Kubernetes versions, locks and bui
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ def _boot_test_results(folder: Path) -> list[Path]:
 
 
 def test_a_staged_artifact_change_reuses_the_installed_base(
-    env: Env, full_build: Build, tmp_path: Path
+    env: Env, full_build: Build, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     full = _manifest(full_build.folder)
     assert full["build_path"] == "full"
@@ -43,6 +44,7 @@ def test_a_staged_artifact_change_reuses_the_installed_base(
     locked = imagebuilder(env, "lock", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache))
     assert locked.returncode == 0, f"imagebuilder lock failed:\n{locked.stderr[-5000:]}"
     out, work = tmp_path / "out", work_dir(tmp_path)
+    request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
     wait_for_other_vms()
     started = time.monotonic()
     assert full_build.bases is not None
