@@ -136,12 +136,8 @@ while IFS="$TAB" read -r kind a b c d <&3; do
     venv)
       say "venv $a: $b"
       intarget python3 -m venv --without-pip "$a"
-      # Byte-compiled afterwards on every CPU (pip compiles one file after another): the same .pyc files,
-      # which pip's RECORD then does not list.
-      intarget "$a/bin/python" "$IN/wheels/$c/pip" install --no-index --no-cache-dir --no-compile \
+      intarget "$a/bin/python" "$IN/wheels/$c/pip" install --no-index --no-cache-dir \
         --disable-pip-version-check --only-binary=:all: --find-links "$IN/wheels" "$b"
-      intarget "$a/bin/python" -m compileall -q -j 0 "$a/lib" >/dev/null \
-        || intarget "$a/bin/python" -m compileall -q "$a/lib" >/dev/null
       say "venv $a: installed"
       ;;
     enable)
