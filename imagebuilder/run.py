@@ -39,6 +39,7 @@ TOOL_PACKAGES: dict[str, str] = {
     "gpg": "gnupg",
     "virsh": "libvirt-clients",
     "tar": "tar",
+    "swtpm": "swtpm",
 }
 
 BASE_ENV = {"LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"}
