@@ -8,9 +8,10 @@
   (libvirt's ``external`` TPM backend), on a fresh state folder or on one the caller made
   (the demo manufactures one with an EK certificate its server trusts);
 * a NoCloud seed (label ``CIDATA``) as a read-only virtio disk;
-* user-mode networking with ``restrict=on`` (DHCP, no route anywhere); ``forwards`` make guest
-  addresses reach loopback ports of the host through a relay QEMU runs per connection
-  (:mod:`imagebuilder.guest.relay`), never a bridge;
+* user-mode networking with ``restrict=on`` (DHCP, no route anywhere), never a bridge; with
+  ``listener_port`` the guest's ``10.0.2.100:8080`` is one byte stream to that loopback port of
+  the host (a QEMU character device, as for the installer's event listener). QEMU's per-connection
+  ``guestfwd=...-cmd:`` relays are not offered: libvirt's seccomp sandbox kills QEMU when it spawns one;
 * the serial console and a second serial port (the data port) in files, followed by
   :meth:`BootVm.follow` until the guest powers itself off.
 
@@ -30,7 +31,6 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from imagebuilder.base import link_into
@@ -42,8 +42,6 @@ from imagebuilder.watch import LineTail
 
 log = logging.getLogger(__name__)
 
-#: The guest address every forward listens on (the same one the installer's listener uses).
-FORWARD_HOST = "10.0.2.100"
 SOCKET_WAIT_S = 10.0
 SOCKET_PATH_MAX = 100  # sun_path is 108 bytes
 
@@ -58,10 +56,9 @@ class BootSpec:
     memory_mib: int = 2048
     cpus: int = 2
     tpm_state: Path | None = None  # an swtpm state folder; None: a fresh TPM
-    forwards: tuple[tuple[int, int], ...] = ()  # (guest port on FORWARD_HOST, loopback port of the host)
     network: bool = True
     # A loopback port of the host: the guest's 10.0.2.100:8080 (domain.GUEST_FORWARD) is one byte stream
-    # to it, through a QEMU character device (works under libvirt's seccomp sandbox, unlike ``forwards``).
+    # to it, through a QEMU character device (works under libvirt's seccomp sandbox).
     listener_port: int | None = None
 
 
@@ -118,17 +115,6 @@ class Swtpm:
             self.proc = None
 
 
-def _relay(work: Path) -> Path:
-    """The guest-forward relay as a file QEMU's user can read (QEMU runs it per connection)."""
-    path = work / "guestfwd-relay.py"
-    path.write_text(
-        resources.files("imagebuilder.guest").joinpath("relay.py").read_text(encoding="utf-8"),
-        encoding="utf-8",
-    )
-    path.chmod(0o644)
-    return path
-
-
 class BootVm:
     """A booted image; use as a context manager, then :meth:`follow` it until it powers off."""
 
@@ -176,14 +162,6 @@ class BootVm:
             spec.tpm_state or work / "tpm", self._socket_path(work), work / "swtpm.log", qemu_owner(conn)
         )
         self._stack.callback(tpm.close)
-        forwards: tuple[tuple[str, str], ...] = ()
-        if spec.forwards:
-            relay = _relay(work)
-            python = shutil.which("python3", path="/usr/bin:/bin") or "/usr/bin/python3"
-            forwards = tuple(
-                (f"{FORWARD_HOST}:{guest}", f"{python} {relay} 127.0.0.1 {host}")
-                for guest, host in spec.forwards
-            )
         build_id = f"{self.label}-{secrets.token_hex(3)}"
         domain_spec = DomainSpec(
             name=DOMAIN_PREFIX + build_id,
@@ -207,7 +185,6 @@ class BootVm:
             extra=owner_metadata(),
             backing=backing,
             tpm_socket=tpm.socket,
-            forwards=forwards,
             network=spec.network,
             listener_port=spec.listener_port,
         )

@@ -13,7 +13,7 @@ One builder for the three kinds of VM a build runs:
 * the **boot test** (and ``make demo``): the image itself through UEFI and its own boot
   loader (no kernel given), an overlay on the image, the NoCloud seed read-only, an
   emulated TPM 2.0 (an swtpm process of ours, ``tpm_socket``, as libvirt's ``external``
-  backend), and optionally guest forwards.
+  backend), and optionally the listener's stream (``make demo``).
 
 Always: the target disk on virtio (``discard=unmap`` so trimmed blocks leave the QCOW2); a
 backing file is declared with ``relabel='no'`` so libvirt never changes the owner of a
@@ -23,10 +23,11 @@ in a file kept with the build and a second serial port (the data port) in anothe
 and says so).
 
 Networking, when asked for, is QEMU user-mode networking with ``restrict=on`` (no route
-anywhere) plus ``guestfwd`` rules: for the installer, the guest's ``10.0.2.100:8080`` is a
-character device connected to the builder's event listener on the host's loopback; for
-``forwards``, each guest address runs a relay command (per connection) to a loopback port.
-libvirt has no element for either, so they go through the ``qemu:commandline`` namespace.
+anywhere) plus, with ``listener_port``, one ``guestfwd``: the guest's ``10.0.2.100:8080`` is a
+character device connected to a loopback port of the host (the builder's event listener, or the
+demo's relay). libvirt has no element for that, so it goes through the ``qemu:commandline``
+namespace. (Per-connection ``guestfwd=...-cmd:`` relays are not used: libvirt's seccomp sandbox
+kills QEMU when it spawns the command.)
 """
 
 from __future__ import annotations
@@ -98,12 +99,11 @@ class DomainSpec:
     backing: Path | None = None  # the disk is a QCOW2 overlay on this file (never relabelled)
     writable_disks: tuple[tuple[Path, str], ...] = ()  # (raw file, serial)
     tpm_socket: Path | None = None  # swtpm's control socket: an emulated TPM 2.0
-    forwards: tuple[tuple[str, str], ...] = ()  # (guest address:port, relay command on the host)
-    network: bool = False  # a NIC even without listener or forwards (DHCP, no route anywhere)
+    network: bool = False  # a NIC even without a listener (DHCP, no route anywhere)
 
     @property
     def has_network(self) -> bool:
-        return self.listener_port is not None or bool(self.forwards) or self.network
+        return self.listener_port is not None or self.network
 
 
 def _sub(parent: ET.Element, tag: str, text: str | None = None, **attrs: str) -> ET.Element:
@@ -227,10 +227,6 @@ def domain_xml(spec: DomainSpec) -> str:
             host, port = GUEST_FORWARD.split(":")
             args += ["-chardev", f"socket,id=ntev0,host=127.0.0.1,port={spec.listener_port},reconnect=1"]
             netdev += f",guestfwd=tcp:{host}:{port}-chardev:ntev0"
-        for guest, command in spec.forwards:
-            if "," in command:
-                raise VmError(f"a guest forward's command may not contain a comma: {command!r}")
-            netdev += f",guestfwd=tcp:{guest}-cmd:{command}"
         for arg in (
             *args,
             "-netdev",
