@@ -1,16 +1,8 @@
-"""Looking inside a built image: offline (its root file system read with debugfs) and by booting it.
+"""Looking inside a built image offline: its root file system read with debugfs.
 
 :class:`ImageFiles` converts the QCOW2 to a sparse raw file, finds the root partition in
-its GPT and reads files with ``debugfs`` (no loop devices, no mounts). :func:`boot_image`
-boots a copy-on-write overlay of the image under libvirt (UEFI, an emulated TPM, user-mode
-networking with ``restrict=on``: DHCP and no route anywhere) with a NoCloud seed whose
-first-boot script reports on the serial console and powers the VM off: a node pool's
-release would deliver its cloud-init the same way.
-
-The script runs as a ``bootcmd`` (cloud-init's init stage), not a ``runcmd``: the image
-enables ``systemd-time-wait-sync`` and the agent's oneshot unit is ordered after
-``time-sync.target``, so without a reachable NTP server ``multi-user.target`` (and with it
-cloud-init's final stage) is never reached.
+its GPT and reads files with ``debugfs`` (no loop devices, no mounts). Booting an image is
+the builder's own boot test (:mod:`imagebuilder.boottest`), which every build runs.
 """
 
 from __future__ import annotations
@@ -19,9 +11,6 @@ import json
 import re
 import subprocess
 import tempfile
-import textwrap
-import time
-import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -126,140 +115,6 @@ def dpkg_status(text: str) -> dict[str, dict[str, str]]:
         if fields.get("Status", "").endswith(" installed"):
             packages[f"{fields['Package']}:{fields['Architecture']}"] = fields
     return packages
-
-
-BOOT_CHECK = textwrap.dedent(
-    """\
-    #!/bin/sh
-    # First boot of the built image: report what the node has, then power off.
-    exec > /dev/ttyS0 2>&1
-    echo NODETRUST-BOOT-BEGIN
-    echo "kubeadm=$(kubeadm version)"
-    echo "kubelet=$(kubelet)"
-    echo "held=$(apt-mark showhold | tr '\\n' ' ')"
-    echo "nodeagent-enabled=$(systemctl is-enabled nodeagent.service)"
-    echo "machine-id-length=$(tr -d '\\n' < /etc/machine-id | wc -c)"
-    echo "spire-agent=$(/opt/spire/1.14.1/bin/spire-agent)"
-    echo "staged=$(ls /opt/nodetrust/staged/kubernetes | tr '\\n' ' ')"
-    /opt/nodeagent/venv/bin/python - <<'PY'
-    import hashlib
-    import tpm2_pytss
-    from agent.tpm.attestor import TpmAttestor
-    with TpmAttestor() as tpm:
-        ek = tpm.read_ek()
-        data = tpm.attestation_data()
-    print("tpm-agent-id=" + hashlib.sha256(ek.spki_der).hexdigest())
-    print("tpm-attestation-data=ok")
-    PY
-    echo "agent-python-exit=$?"
-    echo NODETRUST-BOOT-END
-    systemctl poweroff
-    """
-)
-
-
-def _seed(workdir: Path) -> Path:
-    user_data = "#cloud-config\n" + json.dumps(
-        {
-            "bootcmd": [["sh", "-c", BOOT_CHECK]],
-        }
-    )
-    tree = workdir / "seed"
-    tree.mkdir()
-    (tree / "user-data").write_text(user_data)
-    (tree / "meta-data").write_text(f"instance-id: boot-{uuid.uuid4().hex[:8]}\nlocal-hostname: node0\n")
-    seed = workdir / "boot-seed.iso"
-    run("xorriso", "-as", "mkisofs", "-quiet", "-output", str(seed), "-volid", "CIDATA", "-joliet", "-rock",
-        str(tree))  # fmt: skip
-    return seed
-
-
-def boot_domain_xml(name: str, overlay: Path, seed: Path, console: Path, nvram: Path) -> str:
-    return f"""<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
-  <name>{name}</name>
-  <memory unit='MiB'>2048</memory>
-  <vcpu>2</vcpu>
-  <os>
-    <type arch='x86_64' machine='q35'>hvm</type>
-    <loader readonly='yes' type='pflash'>/usr/share/OVMF/OVMF_CODE_4M.fd</loader>
-    <nvram template='/usr/share/OVMF/OVMF_VARS_4M.fd'>{nvram}</nvram>
-  </os>
-  <features><acpi/><apic/></features>
-  <cpu mode='maximum' check='none'/>
-  <on_poweroff>destroy</on_poweroff>
-  <on_reboot>destroy</on_reboot>
-  <on_crash>destroy</on_crash>
-  <devices>
-    <disk type='file' device='disk'>
-      <driver name='qemu' type='qcow2' cache='unsafe'/>
-      <source file='{overlay}'/>
-      <target dev='vda' bus='virtio'/>
-    </disk>
-    <disk type='file' device='cdrom'>
-      <driver name='qemu' type='raw'/>
-      <source file='{seed}'/>
-      <target dev='sda' bus='sata'/>
-      <readonly/>
-    </disk>
-    <serial type='file'><source path='{console}'/><target port='0'/></serial>
-    <tpm model='tpm-crb'><backend type='emulator' version='2.0'/></tpm>
-    <memballoon model='none'/>
-  </devices>
-  <qemu:commandline>
-    <qemu:arg value='-netdev'/>
-    <qemu:arg value='user,id=n0,restrict=on'/>
-    <qemu:arg value='-device'/>
-    <qemu:arg value='virtio-net-pci,netdev=n0,bus=pcie.0,addr=0x0f'/>
-  </qemu:commandline>
-</domain>
-"""
-
-
-def boot_image(image: Path, workdir: Path, *, timeout: float = 1200) -> str:
-    """Boot an overlay of ``image`` until its first-boot check powers it off; return the console text."""
-    import libvirt
-
-    base = (
-        workdir / "image.qcow2"
-    )  # a copy QEMU (user libvirt-qemu) can reach; the published one stays untouched
-    run("cp", "--reflink=auto", str(image), str(base))
-    overlay = workdir / "overlay.qcow2"
-    run("qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base), "-F", "qcow2", str(overlay))
-    seed = _seed(workdir)
-    console = workdir / "boot-console.log"
-    name = f"imagebuilder-boottest-{uuid.uuid4().hex[:8]}"
-    workdir.chmod(0o755)
-    conn = libvirt.open("qemu:///system")
-    dom = conn.defineXML(boot_domain_xml(name, overlay, seed, console, workdir / "nvram.fd"))
-    try:
-        dom.create()
-        deadline = time.monotonic() + timeout
-        while dom.isActive():
-            if time.monotonic() > deadline:
-                text = console.read_text(errors="replace") if console.exists() else ""
-                raise AssertionError(
-                    f"the built image did not finish its first boot in {timeout:.0f} s:\n{text[-4000:]}"
-                )
-            time.sleep(2)
-    finally:
-        if dom.isActive():
-            dom.destroy()
-        dom.undefineFlags(
-            getattr(libvirt, "VIR_DOMAIN_UNDEFINE_NVRAM", 0) | getattr(libvirt, "VIR_DOMAIN_UNDEFINE_TPM", 0)
-        )
-        conn.close()
-    return console.read_text(errors="replace")
-
-
-def boot_report(console: str) -> dict[str, str]:
-    start, end = console.find("NODETRUST-BOOT-BEGIN"), console.find("NODETRUST-BOOT-END")
-    assert start >= 0 and end > start, f"no first-boot report on the console:\n{console[-4000:]}"
-    report = {}
-    for line in console[start:end].splitlines()[1:]:
-        key, sep, value = line.strip().partition("=")
-        if sep:
-            report[key] = value
-    return report
 
 
 def scratch() -> tempfile.TemporaryDirectory[str]:

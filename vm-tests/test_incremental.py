@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 from conftest import Build, Env, domains, imagebuilder, variant, wait_for_other_vms, work_dir
-from imagecheck import ImageFiles, boot_image, boot_report, run, scratch
+from imagecheck import ImageFiles, run, scratch
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -24,11 +24,6 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(3600)]
 def _manifest(folder: Path) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((folder / "manifest.json").read_text())
     return data
-
-
-def _boot_test_results(folder: Path) -> list[Path]:
-    """What the build's own boot test left in the build folder, if this builder runs one."""
-    return sorted(p for p in folder.iterdir() if p.name.startswith(("boot-test", "boottest")))
 
 
 def test_a_staged_artifact_change_reuses_the_installed_base(
@@ -85,19 +80,8 @@ def test_a_staged_artifact_change_reuses_the_installed_base(
         finally:
             files.close()
 
-    results = _boot_test_results(folder)
-    if results:  # the builder's own boot test ran at the end of the build (a failed one publishes nothing)
-        print(f"boot test results in the build folder: {[p.name for p in results]}")
-        assert "boot-test" in names, names
-        report = json.loads((folder / "boot-test.json").read_text())
-        assert report["passed"] is True, report
-        assert report["build_id"] == manifest["build_id"]
-    else:  # no boot test in this builder yet: boot the image the way test_build.py does
-        wait_for_other_vms()
-        with scratch() as tmp:
-            console = boot_image(folder / "fixture-node.qcow2", Path(tmp))
-        report = boot_report(console)
-        assert report["staged"].split() == staged, console[-4000:]
-        assert report["nodeagent-enabled"] == "enabled"
-        assert report.get("tpm-attestation-data") == "ok", console[-4000:]
-        assert report["agent-python-exit"] == "0"
+    # the builder's own boot test ran at the end of the build (a failed one publishes nothing)
+    assert "boot-test" in names, names
+    report = json.loads((folder / "boot-test.json").read_text())
+    assert report["passed"] is True, report
+    assert report["build_id"] == manifest["build_id"]
