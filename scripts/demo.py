@@ -10,8 +10,9 @@ The default chain (docs/demo.md):
 3. the server: ``nodeserver`` on 127.0.0.1, a fresh trust domain trusting that EK CA, with a
    CPU node pool, a stand-in cluster CA and the ``file`` bootstrap-token backend;
 4. the node: the image booted under libvirt with that TPM and a NoCloud seed that configures
-   the agent; the guest reaches the server only through ``10.0.2.100`` (QEMU relays each
-   connection to the server's loopback port: user-mode networking, ``restrict=on``). Inside,
+   the agent; the guest reaches the server only through ``10.0.2.100:8080``, one QEMU character
+   device to a relay on the host's loopback that carries each of the guest's connections to the
+   server's attest or join port and nowhere else (user-mode networking, ``restrict=on``). Inside,
    ``scripts/demo_guest.py`` reports each step on the VM's data port: the agent attests, runs
    its checks against the CPU pool, and ``nodeagent.service`` gets join credentials and runs
    ``kubeadm join`` (a stand-in that checks and records the JoinConfiguration: no cluster can
@@ -43,12 +44,20 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from demo_common import (
+    NODE_NAME,
+    POOL_PROFILE,
+    ROOT,
+    TRUST_DOMAIN,
+    DemoError,
+    say,
+    server_config,
+    show_token_and_audit,
+    step,
+    token_secrets,
+)
+from demo_host import host_chain
 
-TRUST_DOMAIN = "demo.nodetrust.test"
-NODE_NAME = "demo-node-1"
-POOL_PROFILE = "name: cpu\npreset: cpu\nchecks:\n  warn: ['node.*']\n"
 FIXTURE_DEFINITION = ROOT / "examples" / "fixture-node.yaml"
 UBUNTU_DEFINITION = ROOT / "examples" / "ubuntu-2404-node.yaml"
 # The VM tier's download cache: offline, the fixture build only works from what it holds.
@@ -69,174 +78,6 @@ BOOT_FAILURE = re.compile(
     r"grub rescue>|^error: invalid arch-independent ELF magic|Kernel panic - not syncing"
 )
 ESC = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-class DemoError(Exception):
-    """A step failed; the message says which and what to do."""
-
-
-def step(n: int | str, text: str) -> None:
-    print(f"\n\033[1m[{n}] {text}\033[0m", flush=True)
-
-
-def say(text: str, indent: str = "  ") -> None:
-    print(indent + text.rstrip().replace("\n", "\n" + indent), flush=True)
-
-
-def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-    print("  $ " + " ".join(argv[2:] if argv[:2] == [sys.executable, "-m"] else argv), flush=True)
-    return subprocess.run(argv, text=True, capture_output=True, cwd=ROOT, check=False, **kwargs)  # type: ignore[call-overload,no-any-return]
-
-
-def server_config(work: Path) -> dict[str, Any]:
-    """A fresh trust domain on loopback ports, trusting the EK CA in ``work/server/ek-ca``."""
-    from tests.support.joinenv import cluster_ca
-
-    cluster_ca(work / "server" / "cluster-ca.pem")
-    tokens = work / "server" / "tokens"
-    tokens.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return {
-        "trust_domain": TRUST_DOMAIN,
-        "data_dir": str(work / "server" / "data"),
-        "listen": "127.0.0.1:0",
-        "join_listen": "127.0.0.1:0",
-        "metrics_listen": "off",
-        "ek_trust": {"ca_dir": str(work / "server" / "ek-ca")},
-        "cluster": {
-            "api_server_endpoint": "192.0.2.10:6443",
-            "ca_cert": str(work / "server" / "cluster-ca.pem"),
-            "kubernetes_version": "v1.36.3",
-        },
-        "join": {"token_ttl": "15m"},
-        "token_backend": {"type": "file", "directory": str(tokens)},
-        "pools": {"cpu": {"profile": {"preset": "cpu", "checks": {"warn": ["node.*"]}}}},
-    }
-
-
-def token_secrets(work: Path) -> list[str]:
-    import yaml
-
-    found = []
-    for manifest in sorted((work / "server" / "tokens").glob("*.yaml")):
-        data = (yaml.safe_load(manifest.read_text()) or {}).get("stringData") or {}
-        if data.get("token-secret"):
-            found.append(str(data["token-secret"]))
-    return found
-
-
-def show_token_and_audit(work: Path) -> list[dict[str, Any]]:
-    """Print the token manifests (the secret half redacted) and the audit lines; return the audit."""
-    for manifest in sorted((work / "server" / "tokens").glob("*.yaml")):
-        print(f"  {manifest} (mode {oct(manifest.stat().st_mode & 0o777)}; its token-secret redacted here):")
-        text = re.sub(
-            r"(token-secret:\s*)(\S+)", lambda m: f"{m.group(1)}<redacted: {len(m.group(2))} characters>",
-            manifest.read_text().strip(),
-        )  # fmt: skip
-        say(text, "    ")
-    path = work / "server" / "data" / "audit.jsonl"
-    lines = path.read_text().strip().splitlines() if path.exists() else []
-    for line in lines:
-        print("  " + line)
-    return [json.loads(line) for line in lines]
-
-
-# -- the host-only chain ----------------------------------------------------------------------------
-
-
-def host_chain(work: Path) -> int:
-    from tests.support.swtpm import LocalCa, Swtpm, manufacture
-
-    tpm: Swtpm | None = None
-    try:
-        step(1, f"A TPM: swtpm with an EK certificate from a local EK CA (in {work})")
-        ca = LocalCa(work / "ek-ca")
-        manufacture(work / "tpm", ca)
-        tpm = Swtpm(work / "tpm").start()
-        print(f"  swtpm listening, TCTI {tpm.tcti}")
-
-        step(2, f"The server: a fresh trust domain {TRUST_DOMAIN}, trusting that EK CA, with a CPU pool")
-        ca.install_into(work / "server" / "ek-ca")
-        config = work / "server" / "config.yaml"
-        config.write_text(json.dumps(server_config(work), indent=2))
-        from tests.support.serverproc import ServerProcess
-
-        print(f"  $ server.cli run --config {config}")
-        with ServerProcess(None, config, log=work / "server.log") as server:
-            port, join_port = server.attest_port, server.join_port
-            print(f"  {server.line}")
-            (work / "bundle.pem").write_bytes(server.bundle)
-            print(f"  trust bundle (nodeserver bundle) written to {work / 'bundle.pem'}")
-
-            step(3, "The agent attests the TPM and receives its X509-SVID")
-            attest = run(
-                [
-                    sys.executable, "-m", "agent.cli", "attest",
-                    "--server", f"127.0.0.1:{port}",
-                    "--trust-domain", TRUST_DOMAIN,
-                    "--bundle", str(work / "bundle.pem"),
-                    "--tcti", tpm.tcti,
-                    "--state-dir", str(work / "agent"),
-                ]
-            )  # fmt: skip
-            say((attest.stdout + attest.stderr).strip())
-            if attest.returncode != 0:
-                return attest.returncode
-
-            step(4, "The agent checks the GPUs and the node against the CPU pool")
-            pool = work / "pool.yaml"
-            pool.write_text(POOL_PROFILE)
-            check = run([sys.executable, "-m", "agent.cli", "check", "--pool", str(pool)])
-            say("\n".join(check.stdout.strip().splitlines()[-8:]))
-            if check.returncode != 0:
-                print(check.stderr, file=sys.stderr)
-                return check.returncode
-
-            step(5, "The agent asks for join credentials and runs kubeadm join (the kubeadm TEST DOUBLE)")
-            from tests.support.kubeadm_double import install_kubeadm_double
-
-            record = work / "kubeadm-calls.jsonl"
-            kubeadm = install_kubeadm_double(work / "bin", record)
-            env = {
-                **os.environ,
-                "NODEAGENT_SERVER": f"127.0.0.1:{port}",
-                "NODEAGENT_JOIN_SERVER": f"127.0.0.1:{join_port}",
-                "NODEAGENT_TRUST_DOMAIN": TRUST_DOMAIN,
-                "NODEAGENT_BUNDLE": str(work / "bundle.pem"),
-                "NODEAGENT_TCTI": tpm.tcti,
-                "NODEAGENT_POOL": "cpu",
-                "NODEAGENT_POOL_PROFILE": str(pool),
-                "NODEAGENT_NODE_NAME": NODE_NAME,
-                "NODEAGENT_STATE_DIR": str(work / "agent"),
-                "NODEAGENT_KUBEADM": str(kubeadm),
-                "NODEAGENT_JOIN_CONFIG": str(work / "run" / "kubeadm-join.yaml"),
-            }
-            joined = run(
-                [sys.executable, "-m", "agent.cli", "-v", "run", "--config-dir", str(work / "etc")], env=env
-            )
-            say((joined.stderr + joined.stdout).strip())
-            if joined.returncode != 0:
-                return joined.returncode
-            calls = [json.loads(line) for line in record.read_text().splitlines()]
-            print("  the JoinConfiguration kubeadm received (the double redacts the token's secret half):")
-            import yaml
-
-            say(yaml.safe_dump(calls[-1]["config"], sort_keys=False), "    ")
-            status = run(
-                [sys.executable, "-m", "agent.cli", "status", "--config-dir", str(work / "etc")], env=env
-            )
-            say(status.stdout.strip())
-
-            step(6, "The token, as the file backend wrote it for an operator to apply, and the audit trail")
-            audit = show_token_and_audit(work)
-            if any(entry.get("result") != "ok" for entry in audit):
-                return 1
-        print(
-            "\n\033[1mdemo: the node proved its TPM identity, passed its checks, and joined with a one-time token.\033[0m"
-        )
-        return 0
-    finally:
-        if tpm is not None:
-            tpm.stop()
 
 
 # -- the VM chain: services, image, seed, boot ------------------------------------------------------

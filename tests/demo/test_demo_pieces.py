@@ -21,6 +21,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 import demo  # noqa: E402
 import demo_guest  # noqa: E402
+from demo_common import DemoError  # noqa: E402
 
 from agent.kubeadm import join_configuration, write_join_config  # noqa: E402
 
@@ -168,11 +169,11 @@ def test_the_kubeadm_stand_in_refuses_what_kubeadm_would(tmp_path: Path) -> None
 
 
 def test_ubuntu_iso_must_be_an_iso_9660_image(tmp_path: Path) -> None:
-    with pytest.raises(demo.DemoError, match=r"no such file; set UBUNTU_ISO to the Ubuntu 24\.04"):
+    with pytest.raises(DemoError, match=r"no such file; set UBUNTU_ISO to the Ubuntu 24\.04"):
         demo.check_ubuntu_iso(str(tmp_path / "missing.iso"))
     junk = tmp_path / "junk.iso"
     junk.write_bytes(b"\0" * 40000)
-    with pytest.raises(demo.DemoError, match="is not an ISO 9660 image"):
+    with pytest.raises(DemoError, match="is not an ISO 9660 image"):
         demo.check_ubuntu_iso(str(junk))
     iso = tmp_path / "ok.iso"
     iso.write_bytes(b"\0" * 0x8001 + b"CD001" + b"\0" * 100)
@@ -211,5 +212,5 @@ def test_a_console_that_shows_a_dead_boot_stops_the_demo_at_once() -> None:
     guest.on_console("[    0.000000] Linux version 6.1.0-50-amd64")
     for line in ("\x1b[0m\x1b[37m\x1b[40merror: invalid arch-independent ELF magic.", "grub rescue> ",
                  "[   3.2] Kernel panic - not syncing: VFS: Unable to mount root fs"):  # fmt: skip
-        with pytest.raises(demo.DemoError, match="the image does not boot"):
+        with pytest.raises(DemoError, match="the image does not boot"):
             guest.on_console(line)

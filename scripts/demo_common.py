@@ -1,0 +1,87 @@
+"""What both ``make demo`` chains share: the printing, the server's configuration, the token and audit view."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TRUST_DOMAIN = "demo.nodetrust.test"
+NODE_NAME = "demo-node-1"
+POOL_PROFILE = "name: cpu\npreset: cpu\nchecks:\n  warn: ['node.*']\n"
+
+
+class DemoError(Exception):
+    """A step failed; the message says which and what to do."""
+
+
+def step(n: int | str, text: str) -> None:
+    print(f"\n\033[1m[{n}] {text}\033[0m", flush=True)
+
+
+def say(text: str, indent: str = "  ") -> None:
+    print(indent + text.rstrip().replace("\n", "\n" + indent), flush=True)
+
+
+def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    print("  $ " + " ".join(argv[2:] if argv[:2] == [sys.executable, "-m"] else argv), flush=True)
+    return subprocess.run(argv, text=True, capture_output=True, cwd=ROOT, check=False, **kwargs)  # type: ignore[call-overload,no-any-return]
+
+
+def server_config(work: Path) -> dict[str, Any]:
+    """A fresh trust domain on loopback ports, trusting the EK CA in ``work/server/ek-ca``."""
+    from tests.support.joinenv import cluster_ca
+
+    cluster_ca(work / "server" / "cluster-ca.pem")
+    tokens = work / "server" / "tokens"
+    tokens.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return {
+        "trust_domain": TRUST_DOMAIN,
+        "data_dir": str(work / "server" / "data"),
+        "listen": "127.0.0.1:0",
+        "join_listen": "127.0.0.1:0",
+        "metrics_listen": "off",
+        "ek_trust": {"ca_dir": str(work / "server" / "ek-ca")},
+        "cluster": {
+            "api_server_endpoint": "192.0.2.10:6443",
+            "ca_cert": str(work / "server" / "cluster-ca.pem"),
+            "kubernetes_version": "v1.36.3",
+        },
+        "join": {"token_ttl": "15m"},
+        "token_backend": {"type": "file", "directory": str(tokens)},
+        "pools": {"cpu": {"profile": {"preset": "cpu", "checks": {"warn": ["node.*"]}}}},
+    }
+
+
+def token_secrets(work: Path) -> list[str]:
+    import yaml
+
+    found = []
+    for manifest in sorted((work / "server" / "tokens").glob("*.yaml")):
+        data = (yaml.safe_load(manifest.read_text()) or {}).get("stringData") or {}
+        if data.get("token-secret"):
+            found.append(str(data["token-secret"]))
+    return found
+
+
+def show_token_and_audit(work: Path) -> list[dict[str, Any]]:
+    """Print the token manifests (the secret half redacted) and the audit lines; return the audit."""
+    for manifest in sorted((work / "server" / "tokens").glob("*.yaml")):
+        print(f"  {manifest} (mode {oct(manifest.stat().st_mode & 0o777)}; its token-secret redacted here):")
+        text = re.sub(
+            r"(token-secret:\s*)(\S+)", lambda m: f"{m.group(1)}<redacted: {len(m.group(2))} characters>",
+            manifest.read_text().strip(),
+        )  # fmt: skip
+        say(text, "    ")
+    path = work / "server" / "data" / "audit.jsonl"
+    lines = path.read_text().strip().splitlines() if path.exists() else []
+    for line in lines:
+        print("  " + line)
+    return [json.loads(line) for line in lines]
