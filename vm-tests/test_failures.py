@@ -108,13 +108,13 @@ def test_an_installer_error_is_diagnosed_from_its_console(env: Env, tmp_path: Pa
 
 def test_a_hanging_installer_is_caught_by_the_watchdog(env: Env, tmp_path: Path, work: Path) -> None:
     result, seconds = _variant_build(
-        env, tmp_path, work, "fixture-hangs", "nodetrust-fixture-hangs", "--idle-limit", "late=60"
+        env, tmp_path, work, "fixture-hangs", "nodetrust-fixture-hangs", "--idle-limit", "late=30"
     )
     assert result.returncode == 6, result.stderr[-5000:]
     error = result.stderr[result.stderr.index("imagebuilder: error:") :]
     assert (
-        "the late-command (stage.sh, the base plan) showed no progress for 6" in error
-        and "(idle limit 60 s)" in error
+        "the late-command (stage.sh, the base plan) showed no progress for 3" in error
+        and "(idle limit 30 s)" in error
     )
     assert "Setting up nodetrust-fixture-hangs" in error  # the console tail shows where it stopped
     print(f"\nhang caught after {seconds:.0f} s")
