@@ -339,6 +339,14 @@ class Build:
         for key in ("kernel", "initrd", "base_medium", "seed"):
             self.paths[key].chmod(0o644)
 
+    def _connect(self, stack: contextlib.ExitStack) -> Connection:
+        """libvirt for one build VM: closed with ``stack``, its versions recorded, orphans removed."""
+        conn = Connection(self.opts.libvirt_uri)
+        stack.callback(conn.close)
+        self.versions = conn.versions()
+        remove_orphans(conn)
+        return conn
+
     def install(self, work: Path, accel: str) -> WatchResult:
         """The installer run: the installed base on ``disk.qcow2``, its boot files on the export disk."""
         defn = self.defn
@@ -358,10 +366,7 @@ class Build:
             if self.network == "listener":
                 listener = EventListener(self.token)
                 stack.callback(listener.close)
-            conn = Connection(self.opts.libvirt_uri)
-            stack.callback(conn.close)
-            self.versions = conn.versions()
-            remove_orphans(conn)
+            conn = self._connect(stack)
             spec = DomainSpec(
                 name=DOMAIN_PREFIX + self.build_id,
                 build_id=self.build_id,
@@ -450,10 +455,7 @@ class Build:
         console, data = work / "console.log", work / "data.log"
         self.paths["console"] = console
         with contextlib.ExitStack() as stack:
-            conn = Connection(self.opts.libvirt_uri)
-            stack.callback(conn.close)
-            self.versions = conn.versions()
-            remove_orphans(conn)
+            conn = self._connect(stack)
             spec = DomainSpec(
                 name=DOMAIN_PREFIX + self.build_id,
                 build_id=self.build_id,

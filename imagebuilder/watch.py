@@ -439,6 +439,11 @@ class Watcher:
                 self._event(event)
         return active
 
+    def _idle_fail(self, what: str, limit: int, hint: str) -> None:
+        """The idle watchdog's error: what stalled, the limit, and the last console line."""
+        last = next((line.strip() for line in reversed(self.console.recent) if line.strip()), "")
+        self._fail(f"{what} (idle limit {limit} s); last console line: {last!r}", hint=hint)
+
     def _idle_error(self, idle: float) -> None:
         limit = self._limit(self.phase)
         if self.phase == "boot":
@@ -459,8 +464,7 @@ class Watcher:
         else:
             what = f"the install finished but the VM did not power off within {idle:.0f} s"
             hint = "the installer should power off (shutdown: poweroff); see the console's last lines"
-        last = next((line.strip() for line in reversed(self.console.recent) if line.strip()), "")
-        self._fail(f"{what} (idle limit {limit} s); last console line: {last!r}", hint=hint)
+        self._idle_fail(what, limit, hint)
 
     def run(self) -> WatchResult:
         while True:
@@ -553,8 +557,7 @@ class ProvisionWatcher(Watcher):
         else:
             what = f"the staging plan finished but the VM did not power off within {idle:.0f} s"
             hint = "provision-init powers off through /proc/sysrq-trigger; see the console's last lines"
-        last = next((line.strip() for line in reversed(self.console.recent) if line.strip()), "")
-        self._fail(f"{what} (idle limit {limit} s); last console line: {last!r}", hint=hint)
+        self._idle_fail(what, limit, hint)
 
     def _finished(self, state: DomainState) -> WatchResult:
         if state.state == "crashed":
