@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuilder.errors import FetchError, VerificationError
-from imagebuilder.fetch import download
+from imagebuilder.fetch import DEFAULT_RETRY, Retry, download
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,9 @@ class Fetched:
 
 
 class Cache:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, retry: Retry = DEFAULT_RETRY) -> None:
         self.root = Path(root)
+        self.retry = retry
         self._verified: dict[str, tuple[int, int]] = {}  # sha -> (size, mtime_ns) hashed in this process
 
     def entry(self, sha256: str) -> Path:
@@ -126,7 +127,7 @@ class Cache:
                     # nothing pins the content: never splice a resumed download onto what another source sent
                     partial.unlink(missing_ok=True)
                 try:
-                    download(url, partial, name=name)
+                    download(url, partial, name=name, retry=self.retry)
                 except FetchError as exc:
                     log.warning("%s", exc.message)
                     failures.append(exc.message)

@@ -2,7 +2,10 @@
 
 :func:`download` appends to a partial file: when the partial already holds bytes, an
 HTTP request asks for the rest (``Range: bytes=N-``); a server that answers 200
-instead of 206 restarts the file. Digests are not checked here: :mod:`imagebuilder.cache`
+instead of 206 restarts the file. A transient failure (a timeout, a reset or refused
+connection, HTTP 408/429/5xx, a body cut short) is retried with a doubling pause
+(:class:`Retry`, three attempts by default), resuming where the last attempt stopped; a
+definite answer (404, 403, ...) is not. Digests are not checked here: :mod:`imagebuilder.cache`
 owns verification. Progress goes to stderr as a bar when stderr is a terminal, as a
 log line every 10 seconds otherwise.
 """
@@ -15,8 +18,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, BinaryIO, TextIO
+from typing import IO, BinaryIO, TextIO, TypeVar
 
 from imagebuilder.errors import FetchError
 
@@ -25,6 +30,51 @@ log = logging.getLogger(__name__)
 USER_AGENT = "nodetrust-imagebuilder/0.1 (+https://nodetrust.dev)"
 CHUNK = 1 << 20
 LOG_EVERY_S = 10.0
+TRANSIENT_HTTP = frozenset({408, 429, 500, 502, 503, 504})
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How hard one URL is tried before the next mirror (or the error) is reached."""
+
+    attempts: int = 3
+    backoff_s: float = 1.0  # the pause before the second attempt; it doubles after each one
+    timeout_s: float = 60.0  # per connection and per read
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.backoff_s < 0 or self.timeout_s <= 0:
+            raise ValueError(f"invalid retry policy {self}")
+
+
+DEFAULT_RETRY = Retry()
+
+
+class _Transient(FetchError):
+    """A failure worth another attempt at the same URL."""
+
+
+def _with_retries(name: str, retry: Retry, attempt: Callable[[], T]) -> T:
+    pause = retry.backoff_s
+    for number in range(1, retry.attempts + 1):
+        try:
+            return attempt()
+        except _Transient as exc:
+            if number == retry.attempts:
+                raise FetchError(exc.message, hint=exc.hint) from exc
+            log.warning(
+                "%s (attempt %d of %d; retrying in %.0f s)", exc.message, number, retry.attempts, pause
+            )
+            time.sleep(pause)
+            pause *= 2
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _http_failure(name: str, url: str, exc: Exception) -> FetchError:
+    if isinstance(exc, urllib.error.HTTPError):
+        kind = _Transient if exc.code in TRANSIENT_HTTP else FetchError
+        return kind(f"{name}: GET {url}: HTTP {exc.code} {exc.reason}")
+    return _Transient(f"{name}: GET {url}: {getattr(exc, 'reason', exc)}")
 
 
 def _human(n: float) -> str:
@@ -90,13 +140,13 @@ def _copy(source: BinaryIO | IO[bytes], sink: BinaryIO | IO[bytes], progress: Pr
         progress.update(len(chunk))
 
 
-def download(url: str, partial: Path, *, name: str, timeout: float = 60.0) -> None:
+def download(url: str, partial: Path, *, name: str, retry: Retry = DEFAULT_RETRY) -> None:
     """Bring ``partial`` to the full content of ``url``, resuming from its current size."""
     scheme = urllib.parse.urlsplit(url).scheme
     if scheme == "file":
         _download_file(url, partial, name=name)
     elif scheme in ("http", "https"):
-        _download_http(url, partial, name=name, timeout=timeout)
+        _with_retries(name, retry, lambda: _download_http(url, partial, name=name, timeout=retry.timeout_s))
     else:
         raise FetchError(f"{name}: unsupported URL scheme in {url}", hint="use http://, https:// or file://")
 
@@ -131,10 +181,9 @@ def _download_http(url: str, partial: Path, *, name: str, timeout: float) -> Non
             # Range not satisfiable: the partial is already complete (or longer than the file)
             log.debug("%s: server says the partial download (%d bytes) is complete", name, have)
             return
-        raise FetchError(f"{name}: GET {url}: HTTP {exc.code} {exc.reason}") from exc
+        raise _http_failure(name, url, exc) from exc
     except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise FetchError(f"{name}: GET {url}: {reason}") from exc
+        raise _http_failure(name, url, exc) from exc
     with response:
         status = response.status
         length = response.headers.get("Content-Length")
@@ -151,16 +200,19 @@ def _download_http(url: str, partial: Path, *, name: str, timeout: float) -> Non
             with partial.open(mode) as dst:
                 _copy(response, dst, progress)
         except (OSError, urllib.error.URLError) as exc:
-            raise FetchError(f"{name}: download from {url} broke off: {exc}") from exc
+            raise _Transient(
+                f"{name}: download from {url} broke off: {exc}",
+                hint="run the command again: the download resumes where it stopped",
+            ) from exc
         progress.finish()
     if total is not None and partial.stat().st_size != total:
-        raise FetchError(
+        raise _Transient(
             f"{name}: download from {url} ended at {partial.stat().st_size} of {total} bytes",
             hint="run the command again: the download resumes where it stopped",
         )
 
 
-def fetch_small(url: str, *, name: str, limit: int = 64 * 2**20, timeout: float = 60.0) -> bytes:
+def fetch_small(url: str, *, name: str, limit: int = 64 * 2**20, retry: Retry = DEFAULT_RETRY) -> bytes:
     """Read a small document (checksum file, signature, apt index) into memory, uncached."""
     scheme = urllib.parse.urlsplit(url).scheme
     if scheme == "file":
@@ -171,14 +223,19 @@ def fetch_small(url: str, *, name: str, limit: int = 64 * 2**20, timeout: float 
             raise FetchError(f"{name}: cannot read {path}: {exc.strerror}") from exc
     if scheme not in ("http", "https"):
         raise FetchError(f"{name}: unsupported URL scheme in {url}")
+    data = _with_retries(
+        name, retry, lambda: _get_small(url, name=name, limit=limit, timeout=retry.timeout_s)
+    )
+    if len(data) > limit:
+        raise FetchError(f"{name}: {url} is larger than {_human(limit)}")
+    return data
+
+
+def _get_small(url: str, *, name: str, limit: int, timeout: float) -> bytes:
     request = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})  # noqa: S310
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
             data: bytes = response.read(limit + 1)
-    except urllib.error.HTTPError as exc:
-        raise FetchError(f"{name}: GET {url}: HTTP {exc.code} {exc.reason}") from exc
     except (urllib.error.URLError, OSError) as exc:
-        raise FetchError(f"{name}: GET {url}: {getattr(exc, 'reason', exc)}") from exc
-    if len(data) > limit:
-        raise FetchError(f"{name}: {url} is larger than {_human(limit)}")
+        raise _http_failure(name, url, exc) from exc
     return data

@@ -11,10 +11,12 @@ import pytest
 
 from imagebuilder.cache import Cache, sha256_file
 from imagebuilder.errors import FetchError, VerificationError
-from imagebuilder.fetch import Progress
+from imagebuilder.fetch import Progress, Retry, fetch_small
 from tests.support.payload_server import PayloadServer
 
 SPIRE = "/spire/v1.14.1/spire-1.14.1-linux-amd64-musl.tar.gz"
+QUICK = Retry(attempts=3, backoff_s=0.01, timeout_s=5.0)  # the default policy's shape, with short pauses
+ONCE = Retry(attempts=1)
 
 
 def _digest(payload_root: Path, path: str) -> tuple[str, int]:
@@ -58,10 +60,21 @@ def test_a_truncated_entry_is_never_used(
     assert Cache(tmp_path / "cache").lookup(sha) is None
 
 
-def test_an_interrupted_download_resumes_with_range(tmp_path: Path, payloads: PayloadServer,
-                                                    payload_root: Path) -> None:  # fmt: skip
+def test_a_download_cut_short_resumes_with_range_in_the_same_run(tmp_path: Path, payloads: PayloadServer,
+                                                                  payload_root: Path) -> None:  # fmt: skip
     sha, size = _digest(payload_root, SPIRE)
-    cache = Cache(tmp_path / "cache")
+    payloads.truncate_once[SPIRE] = 100
+    fetched = Cache(tmp_path / "cache", retry=QUICK).fetch(
+        "spire", [payloads.url + SPIRE], sha256=sha, size=size
+    )
+    assert sha256_file(fetched.path) == sha and fetched.url == payloads.url + SPIRE
+    assert payloads.requests == [(SPIRE, ""), (SPIRE, "bytes=100-")]
+
+
+def test_an_interrupted_download_resumes_with_range_on_the_next_run(tmp_path: Path, payloads: PayloadServer,
+                                                                    payload_root: Path) -> None:  # fmt: skip
+    sha, size = _digest(payload_root, SPIRE)
+    cache = Cache(tmp_path / "cache", retry=ONCE)
     payloads.truncate_once[SPIRE] = 100
     with pytest.raises(FetchError, match="every source failed") as caught:
         cache.fetch("spire", [payloads.url + SPIRE], sha256=sha, size=size)
@@ -75,14 +88,59 @@ def test_an_interrupted_download_resumes_with_range(tmp_path: Path, payloads: Pa
     assert not partial.exists()
 
 
+def test_a_server_that_stops_answering_is_timed_out_and_tried_again(tmp_path: Path, payloads: PayloadServer,
+                                                                    payload_root: Path) -> None:  # fmt: skip
+    sha, size = _digest(payload_root, SPIRE)
+    payloads.stall_once.add(SPIRE)
+    patient = Retry(attempts=2, backoff_s=0.01, timeout_s=0.5)
+    fetched = Cache(tmp_path / "cache", retry=patient).fetch(
+        "spire", [payloads.url + SPIRE], sha256=sha, size=size
+    )
+    assert sha256_file(fetched.path) == sha
+    assert [p for p, _ in payloads.requests] == [SPIRE, SPIRE]
+
+
+@pytest.mark.parametrize("status", [503, 429, 502])
+def test_a_transient_http_error_is_retried_and_a_lasting_one_is_reported(
+    tmp_path: Path, payloads: PayloadServer, payload_root: Path, status: int
+) -> None:
+    sha, size = _digest(payload_root, SPIRE)
+    payloads.fail_next[SPIRE] = (status, 2)
+    fetched = Cache(tmp_path / "cache", retry=QUICK).fetch(
+        "spire", [payloads.url + SPIRE], sha256=sha, size=size
+    )
+    assert sha256_file(fetched.path) == sha and len(payloads.requests) == 3
+    payloads.fail_next["/checksums"] = (status, 3)
+    with pytest.raises(FetchError, match=f"/checksums: HTTP {status}"):
+        fetch_small(payloads.url + "/checksums", name="checksums", retry=QUICK)
+    assert [p for p, _ in payloads.requests[3:]] == ["/checksums"] * 3
+    assert "/checksums" not in payloads.fail_next
+
+
+def test_a_definite_answer_is_not_retried(tmp_path: Path, payloads: PayloadServer) -> None:
+    payloads.status["/forbidden"] = 403
+    with pytest.raises(FetchError, match="HTTP 403"):
+        Cache(tmp_path / "cache", retry=QUICK).fetch("x", [payloads.url + "/forbidden"])
+    with pytest.raises(FetchError, match="HTTP 404"):
+        fetch_small(payloads.url + "/missing", name="missing", retry=QUICK)
+    assert [p for p, _ in payloads.requests] == ["/forbidden", "/missing"]
+
+
+def test_a_retry_policy_must_make_sense() -> None:
+    for bad in ({"attempts": 0}, {"backoff_s": -1.0}, {"timeout_s": 0.0}):
+        with pytest.raises(ValueError, match="invalid retry policy"):
+            Retry(**bad)
+
+
 def test_mirrors_are_tried_in_order(tmp_path: Path, payloads: PayloadServer, payload_root: Path) -> None:
     sha, size = _digest(payload_root, SPIRE)
     payloads.status["/down" + SPIRE] = 503
     payloads.tamper("/evil" + SPIRE, b"not the pinned content")
     urls = [payloads.url + "/down" + SPIRE, payloads.url + "/evil" + SPIRE, payloads.url + SPIRE]
-    fetched = Cache(tmp_path / "cache").fetch("spire", urls, sha256=sha, size=size)
+    fetched = Cache(tmp_path / "cache", retry=QUICK).fetch("spire", urls, sha256=sha, size=size)
     assert fetched.url == payloads.url + SPIRE
-    assert [p for p, _ in payloads.requests] == ["/down" + SPIRE, "/evil" + SPIRE, SPIRE]
+    # the mirror that is down is tried three times; the one serving other content once (no retry helps)
+    assert [p for p, _ in payloads.requests] == ["/down" + SPIRE] * 3 + ["/evil" + SPIRE, SPIRE]
 
 
 def test_no_source_with_the_pinned_content_is_a_verification_error(tmp_path: Path, payloads: PayloadServer,
@@ -107,7 +165,9 @@ def test_without_a_digest_the_first_complete_download_wins(tmp_path: Path, paylo
 
 def test_errors_name_every_source(tmp_path: Path, payloads: PayloadServer) -> None:
     with pytest.raises(FetchError) as caught:
-        Cache(tmp_path / "cache").fetch("x", [payloads.url + "/a", "http://127.0.0.1:9/b", "ftp://c/d"])
+        Cache(tmp_path / "cache", retry=QUICK).fetch(
+            "x", [payloads.url + "/a", "http://127.0.0.1:9/b", "ftp://c/d"]
+        )
     message = caught.value.message
     assert "/a: HTTP 404" in message and "127.0.0.1:9/b" in message and "unsupported URL scheme" in message
 

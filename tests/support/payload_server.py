@@ -327,6 +327,9 @@ class PayloadServer:
         self.overrides: dict[str, bytes] = {}
         self.truncate_once: dict[str, int] = {}
         self.status: dict[str, int] = {}
+        self.fail_next: dict[str, tuple[int, int]] = {}  # path -> (HTTP status, how many requests)
+        self.stall_once: set[str] = set()  # answer nothing until close(): the client must time out
+        self._release = threading.Event()
         self.requests: list[tuple[str, str]] = []  # (path, Range header)
         self._lock = threading.Lock()
         server = self
@@ -362,6 +365,18 @@ class PayloadServer:
             self.requests.append((path, range_header))
             status = self.status.get(path)
             cut = self.truncate_once.pop(path, None)
+            stall = path in self.stall_once
+            self.stall_once.discard(path)
+            if status is None and path in self.fail_next:
+                status, left = self.fail_next[path]
+                if left > 1:
+                    self.fail_next[path] = (status, left - 1)
+                else:
+                    del self.fail_next[path]
+        if stall:
+            self._release.wait(30)
+            handler.close_connection = True
+            return
         if status is not None:
             handler.send_response(status)
             handler.send_header("Content-Length", "0")
@@ -401,6 +416,7 @@ class PayloadServer:
         self.overrides[path] = data
 
     def close(self) -> None:
+        self._release.set()
         self._httpd.shutdown()
         self._httpd.server_close()
 
