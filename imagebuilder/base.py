@@ -16,10 +16,10 @@ by its key and runs only the provisioning boot. The key is the SHA-256 of everyt
 shapes the base (:func:`base_material`): :data:`BASE_RECIPE`, the installer ISO's digest, the
 architecture, firmware and disk size, the installer's kernel, initrd, kernel arguments and
 source id, the autoinstall user-data (rendered without the per-build webhook), and the digest
-of the base medium (the OS packages' debs, ``stage.sh``, ``provision-init.sh``, the base plan).
-Changing the Kubernetes versions, an artifact, the agent or the user keeps the
-key; changing the ISO, the OS packages, the disk size, the SSH server choice (the installer installs
-it or not) or the builder's base recipe changes it.
+of the base medium (the OS packages' debs, the pinned pip wheel, ``stage.sh``,
+``provision-init.sh``, the base plan). Changing the Kubernetes versions, an artifact, the agent
+or the user keeps the key; changing the ISO, the OS packages, the pip pin, the disk size, the
+SSH server choice (the installer installs it or not) or the builder's base recipe changes it.
 
 Layout under ``<cache>/bases/`` (``--base-cache`` to put it elsewhere)::
 

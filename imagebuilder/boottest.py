@@ -59,7 +59,7 @@ IDLE_S = 600.0
 TOTAL_S = 1800.0
 POWEROFF_S = 120.0
 CONSOLE_TAIL = 40
-EARLY_CHECKS = ("image/machine-id", "image/ssh-host-keys", "image/agent-config")
+EARLY_CHECKS = ("image/machine-id", "image/ssh-host-keys", "image/agent-config", "image/build-leftovers")
 
 
 # -- what the image must hold ---------------------------------------------------------------------

@@ -265,7 +265,8 @@ class Build:
         self.files = files
         self.base_keys = staging.split_apt(defn, files, self.lock.base_packages)
         base_tree = work / "base-medium"
-        staging.base_tree(base_tree, defn, files, self.base_keys)
+        pip_path = next(w for w in wheels if w.name == pip_wheel)
+        staging.base_tree(base_tree, defn, files, self.base_keys, pip_wheel=pip_path)
         self.paths["base_tree"] = base_tree
         iso_sha256 = next(f.item.sha256 for f in files if f.item.key == "iso")
         self.base_material = base.base_material(

@@ -4,11 +4,12 @@ A build puts things into the target in two runs of the same script (``stage.sh``
 from its own ISO 9660 medium labelled ``NTSTAGE`` with its own ``plan.tsv``:
 
 * the **base medium**, for the installer's late-command: the OS packages the definition
-  asks for (and their dependency closure), the provisioning hook
-  (``cloud-init/provision-init.sh``), the export of the base's kernel and initrd to the
-  builder, the base's package list, ``fstrim``. What it holds decides the installed base,
-  which builds cache and reuse (:mod:`imagebuilder.base`): :func:`tree_digest` is part of
-  the base's key;
+  asks for (and their dependency closure), the pinned pip unpacked and byte-compiled for
+  the staging plan's venv step (under ``/var/lib/nodetrust-build``, which generalisation
+  removes from the image), the provisioning hook (``cloud-init/provision-init.sh``), the
+  export of the base's kernel and initrd to the builder, the base's package list, ``fstrim``.
+  What it holds decides the installed base, which builds cache and reuse
+  (:mod:`imagebuilder.base`): :func:`tree_digest` is part of the base's key;
 * the **staging medium**, for the provisioning boot of that base: the installed
   Kubernetes version (apt, held), the staged Kubernetes debs, the artifacts, the agent's
   venv and units, ``/etc/nodetrust/image.json``, the admin user, the sshd policy, the
@@ -143,9 +144,14 @@ def split_apt(defn: Definition, files: Sequence[StagedFile], base_packages: Mapp
 
 
 def base_tree(
-    tree: Path, defn: Definition, files: Sequence[StagedFile], base_keys: AbstractSet[str]
+    tree: Path,
+    defn: Definition,
+    files: Sequence[StagedFile],
+    base_keys: AbstractSet[str],
+    *,
+    pip_wheel: Path | None = None,
 ) -> list[str]:
-    """The installer's medium: OS packages, the provisioning hook, the boot files' export."""
+    """The installer's medium: OS packages, a compiled pip, the provisioning hook, the boot files' export."""
     _start(tree)
     plan: list[str] = []
     apt_items = [f for f in files if f.item.role == "apt" and f.item.key in base_keys]
@@ -157,6 +163,9 @@ def base_tree(
         install = [str(p) for p in defn.packages if p.name in names]
         if install:
             plan.append("apt\t" + " ".join(install))
+    if pip_wheel is not None:
+        place(pip_wheel, tree / "wheels" / pip_wheel.name)
+        plan.append(f"pip\t{pip_wheel.name}")
     (tree / "provision-init").write_text(template_text(PROVISION_INIT), encoding="utf-8")
     plan.append(f"file\tprovision-init\t{PROVISION_HOOK}\t0755")
     plan += [f"export\t{EXPORT_SERIAL}", "report", "trim"]

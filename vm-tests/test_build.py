@@ -131,6 +131,7 @@ NAMED_CHECKS = (
     "image/machine-id",
     "image/ssh-host-keys",
     "image/agent-config",
+    "image/build-leftovers",
     "kubernetes/installed",
     "kubernetes/held",
     "kubernetes/staged",

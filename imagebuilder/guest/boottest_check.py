@@ -10,7 +10,9 @@ boot changes it or from proof that this boot changed it:
 * ``image/machine-id``: systemd saw no machine id (``/run/systemd/first-boot``, or
   ``/etc/machine-id`` written or mounted at this boot), i.e. the image's was empty;
 * ``image/ssh-host-keys``: no ``/etc/ssh/ssh_host_*`` older than this boot;
-* ``image/agent-config``: the agent's configuration folder exists and is empty.
+* ``image/agent-config``: the agent's configuration folder exists and is empty;
+* ``image/build-leftovers``: nothing the build used inside the target is left (the base's
+  compiled pip, the staging medium's mount point and apt source, the no-daemons policy).
 
 It then stops ``systemd-time-wait-sync.service`` **for this boot only** (``mask --runtime``):
 the image enables it so that the agent (ordered after ``time-sync.target``) never runs on a
@@ -129,6 +131,25 @@ def check_agent_config(root: Path, expect: dict[str, Any]) -> Check:
     if entries:
         return _check("image/agent-config", False, f"{folder} is not empty: {', '.join(entries)}")
     return _check("image/agent-config", mode == 0o700, f"{folder} is empty, mode {mode:04o}")
+
+
+#: What ``stage.sh`` uses inside the target and must remove (or never leave) before the image ships.
+BUILD_LEFTOVERS = (
+    "var/lib/nodetrust-build",
+    "var/lib/nodetrust-staging",
+    "etc/apt/nodetrust-staging.list",
+    "etc/apt/nodetrust-staging.d",
+    "usr/sbin/policy-rc.d",
+)
+
+
+def check_build_leftovers(root: Path) -> Check:
+    left = [f"/{rel}" for rel in BUILD_LEFTOVERS if os.path.lexists(root / rel)]
+    if left:
+        return _check(
+            "image/build-leftovers", False, f"the image ships what the build used: {', '.join(left)}"
+        )
+    return _check("image/build-leftovers", True, f"none of {len(BUILD_LEFTOVERS)} build paths in the image")
 
 
 # -- late: the booted node ------------------------------------------------------------------------
@@ -373,6 +394,7 @@ def early(seed: Path) -> int:
         *_guarded("image/machine-id", check_machine_id, root, btime),
         *_guarded("image/ssh-host-keys", check_ssh_host_keys, root, btime),
         *_guarded("image/agent-config", check_agent_config, root, expect),
+        *_guarded("image/build-leftovers", check_build_leftovers, root),
     ]
     (STATE / "early.json").write_text(json.dumps(checks))
     report(expect, "NODETRUST-BOOTTEST-EARLY", checks, {"boot_time": btime})

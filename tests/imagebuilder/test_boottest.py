@@ -93,7 +93,12 @@ def test_expect_json_comes_from_the_manifest(manifest: dict[str, Any], payload_r
         unit["sha256"] == hashlib.sha256((REPO / "agent/systemd/nodeagent.service").read_bytes()).hexdigest()
     )
     names = boottest.expected_checks(expect)
-    assert names[:3] == ["image/machine-id", "image/ssh-host-keys", "image/agent-config"]
+    assert names[:4] == [
+        "image/machine-id",
+        "image/ssh-host-keys",
+        "image/agent-config",
+        "image/build-leftovers",
+    ]
     assert {"files/spire-agent 1.14.1", "files/kubernetes 1.37.2 (staged)", "files/nodeagent units"} <= set(
         names
     )
@@ -169,6 +174,22 @@ def test_the_checker_passes_an_image_generalised_for_this_boot(tmp_path: Path) -
     assert boottest_check.check_machine_id(root, btime)["ok"]
     keys = boottest_check.check_ssh_host_keys(root, btime)
     assert keys["ok"] and "1 made at this boot" in keys["detail"]
+
+
+def test_the_checker_fails_an_image_that_kept_what_the_build_used(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "var/lib").mkdir(parents=True)
+    clean = boottest_check.check_build_leftovers(root)
+    assert clean["ok"] and "none of 5" in clean["detail"]
+    (root / "var/lib/nodetrust-build/pip").mkdir(parents=True)
+    (root / "usr/sbin").mkdir(parents=True)
+    (root / "usr/sbin/policy-rc.d").symlink_to("/nonexistent")  # a dangling link counts too
+    left = boottest_check.check_build_leftovers(root)
+    assert not left["ok"]
+    assert (
+        left["detail"]
+        == "the image ships what the build used: /var/lib/nodetrust-build, /usr/sbin/policy-rc.d"
+    )
 
 
 # -- reports and the verdict ---------------------------------------------------------------------

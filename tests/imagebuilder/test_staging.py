@@ -82,9 +82,12 @@ def test_the_base_plan_and_what_moves_its_digest(tmp_path: Path, payload_root: P
     kubeadm = _item("kubernetes/1.36.3/kubeadm", "deb", "apt", k8s / "kubeadm_1.36.3-1.1_amd64.deb")
     files = [fapi, kubeadm]
     base_keys = {"deb/libtss2-fapi1"}
-    plan = base_tree(tmp_path / "base", defn, files, base_keys)
+    pip = tmp_path / "pip-26.3-py3-none-any.whl"
+    pip.write_bytes(b"pip wheel")
+    plan = base_tree(tmp_path / "base", defn, files, base_keys, pip_wheel=pip)
     assert plan == [
         "apt\tlibtss2-fapi1",
+        f"pip\t{pip.name}",
         f"file\tprovision-init\t{PROVISION_HOOK}\t0755",
         f"export\t{EXPORT_SERIAL}",
         "report",
@@ -99,11 +102,20 @@ def test_the_base_plan_and_what_moves_its_digest(tmp_path: Path, payload_root: P
     ).exists()  # Kubernetes goes to the staging plan
     first = tree_digest(tmp_path / "base")
     # the same inputs give the same digest; a different deb in the base gives another one
-    base_tree(tmp_path / "again", defn, files, base_keys)
+    assert (tmp_path / "base/wheels" / pip.name).read_bytes() == b"pip wheel"
+    base_tree(tmp_path / "again", defn, files, base_keys, pip_wheel=pip)
     assert tree_digest(tmp_path / "again") == first
     other = _item("deb/libtss2-fapi1", "deb", "apt", k8s / "kubectl_1.36.3-1.1_amd64.deb")
-    base_tree(tmp_path / "other", defn, [other, kubeadm], base_keys)
+    base_tree(tmp_path / "other", defn, [other, kubeadm], base_keys, pip_wheel=pip)
     assert tree_digest(tmp_path / "other") != first
+    # another pip is another base (the base compiles it); a base plan without one has no pip entry
+    other_pip = tmp_path / "pip-26.4-py3-none-any.whl"
+    other_pip.write_bytes(b"another pip wheel")
+    base_tree(tmp_path / "other-pip", defn, files, base_keys, pip_wheel=other_pip)
+    assert tree_digest(tmp_path / "other-pip") != first
+    assert not [
+        line for line in base_tree(tmp_path / "no-pip", defn, files, base_keys) if line.startswith("pip")
+    ]
     # the staging medium leaves the base's debs out
     wheel = tmp_path / "pip-26.3-py3-none-any.whl"
     wheel.write_bytes(b"wheel")
