@@ -8,6 +8,7 @@ cached the base; this test changes the staged Kubernetes versions, locks and bui
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -60,6 +61,10 @@ def test_a_staged_artifact_change_reuses_the_installed_base(
     assert not [n for n in names if n == "install" or n.startswith(("install/", "installer"))], names
     assert "provision" in names and "provision/stage" in names
     assert manifest["installer"]["ran"] is False
+    # the base compiled pip once (installer part of the console); this build's venv step ran that copy
+    console = (folder / "console.log").read_text(errors="replace")
+    assert re.search(r"nodetrust-stage: \[[^]]*\] pip pip-\S+\.whl: unpacked and byte-compiled", console)
+    assert re.search(r"venv /opt/nodeagent/venv: \S+ \(pip compiled in the base\)", console)
     assert manifest["kubernetes"]["staged"] == staged
     # a standalone image: no backing file
     info = json.loads(run("qemu-img", "info", "--output=json", str(folder / "fixture-node.qcow2")).stdout)
@@ -74,6 +79,7 @@ def test_a_staged_artifact_change_reuses_the_installed_base(
             assert set(files.listdir("/opt/nodetrust/staged/kubernetes")) == set(staged)
             assert files.exists("/opt/nodeagent/venv/bin/nodeagent")
             assert not files.exists("/usr/lib/nodetrust/provision-init")  # the hook removed itself
+            assert not files.exists("/var/lib/nodetrust-build")  # the base's compiled pip is not shipped
             assert files.read("/etc/machine-id") == b""
             info_json = json.loads(files.text("/etc/nodetrust/image.json"))
             assert info_json["build_id"] == manifest["build_id"]
