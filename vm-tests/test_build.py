@@ -183,8 +183,9 @@ def test_the_build_boot_tested_the_image(full_build: Build) -> None:
 
 
 def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, full_build: Build) -> None:
-    """A copy of the image with a machine id and an SSH host key written offline (as a build that forgot
-    to generalise would ship it): `imagebuilder test` boots it, exits 1 and names exactly those checks."""
+    """A copy of the image with a machine id, an SSH host key and the build's no-daemons policy written
+    offline (as a build that forgot to generalise and clean up would ship it): `imagebuilder test` boots
+    it, exits 1 and names exactly those checks."""
     with scratch() as tmp:
         work = Path(tmp)
         work.chmod(0o755)
@@ -207,11 +208,13 @@ def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, fu
         # the test VM is gone (other engineers' boot tests may run at the same time: only ours counts)
         assert not [d for d in domains() if "boottest" in d and str(work) in _domain_xml(d)]
     failed = {c["name"]: c["detail"] for c in verdict["checks"] if not c["ok"]}
-    assert set(failed) == {"image/machine-id", "image/ssh-host-keys"}, failed
+    assert set(failed) == {"image/machine-id", "image/ssh-host-keys", "image/build-leftovers"}, failed
     assert "shipped a machine id (01234567..." in failed["image/machine-id"]
     assert "ssh_host_ed25519_key.pub" in failed["image/ssh-host-keys"]
+    assert failed["image/build-leftovers"] == "the image ships what the build used: /usr/sbin/policy-rc.d"
     assert len(verdict["checks"]) == len(NAMED_CHECKS)  # the rest of the image still passes
     assert "FAIL image/machine-id:" in tested.stdout
     assert tested.stdout.rstrip().endswith(
-        f"boot test FAILED: 2 of {len(NAMED_CHECKS)} checks failed: image/machine-id, image/ssh-host-keys"
+        f"boot test FAILED: 3 of {len(NAMED_CHECKS)} checks failed: "
+        "image/machine-id, image/ssh-host-keys, image/build-leftovers"
     )
