@@ -195,6 +195,7 @@ def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, fu
             files.replace(
                 "/etc/ssh/ssh_host_ed25519_key.pub", b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIshipped\n"
             )
+            files.replace("/usr/sbin/policy-rc.d", b"#!/bin/sh\nexit 101\n")
             broken = files.save_qcow2(work / "broken.qcow2")
         finally:
             files.close()
