@@ -658,9 +658,8 @@ class Build:
         if found is not None:
             log.info("incremental build on the cached base %s (%s)", self.base_key[:16], found.folder)
             return found, None, None
-        with self.base_cache.locked(
-            self.base_key
-        ):  # held while installing and storing, not while provisioning
+        # The lock is held while installing and storing the base, not while provisioning on it.
+        with self.base_cache.locked(self.base_key):
             if not self.opts.full:  # another build may have installed it while this one waited
                 found = self.base_cache.lookup(self.base_key)
                 if found is not None:
