@@ -123,11 +123,10 @@ class Cache:
             mismatches: list[str] = []
             partial = self.root / "partial" / f"{key}.part"
             for url in urls:
-                if sha256 is None:
-                    # nothing pins the content: never splice a resumed download onto what another source sent
-                    partial.unlink(missing_ok=True)
                 try:
-                    download(url, partial, name=name, retry=self.retry)
+                    # Nothing pins the content without a digest: never splice a resumed download onto what
+                    # another source, or another attempt at this one, sent.
+                    download(url, partial, name=name, retry=self.retry, resume=sha256 is not None)
                 except FetchError as exc:
                     log.warning("%s", exc.message)
                     failures.append(exc.message)

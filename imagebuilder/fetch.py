@@ -140,13 +140,27 @@ def _copy(source: BinaryIO | IO[bytes], sink: BinaryIO | IO[bytes], progress: Pr
         progress.update(len(chunk))
 
 
-def download(url: str, partial: Path, *, name: str, retry: Retry = DEFAULT_RETRY) -> None:
-    """Bring ``partial`` to the full content of ``url``, resuming from its current size."""
+def download(
+    url: str, partial: Path, *, name: str, retry: Retry = DEFAULT_RETRY, resume: bool = True
+) -> None:
+    """Bring ``partial`` to the full content of ``url``, resuming from its current size.
+
+    ``resume=False`` starts every attempt from the first byte: for content no digest pins, where
+    two attempts could splice two versions of the file into one.
+    """
     scheme = urllib.parse.urlsplit(url).scheme
+
+    def attempt() -> None:
+        if not resume:
+            partial.unlink(missing_ok=True)
+        _download_http(url, partial, name=name, timeout=retry.timeout_s)
+
     if scheme == "file":
+        if not resume:
+            partial.unlink(missing_ok=True)
         _download_file(url, partial, name=name)
     elif scheme in ("http", "https"):
-        _with_retries(name, retry, lambda: _download_http(url, partial, name=name, timeout=retry.timeout_s))
+        _with_retries(name, retry, attempt)
     else:
         raise FetchError(f"{name}: unsupported URL scheme in {url}", hint="use http://, https:// or file://")
 

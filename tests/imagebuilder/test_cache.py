@@ -71,6 +71,15 @@ def test_a_download_cut_short_resumes_with_range_in_the_same_run(tmp_path: Path,
     assert payloads.requests == [(SPIRE, ""), (SPIRE, "bytes=100-")]
 
 
+def test_without_a_digest_a_retry_starts_again_from_the_first_byte(tmp_path: Path, payloads: PayloadServer,
+                                                                   payload_root: Path) -> None:  # fmt: skip
+    sha, size = _digest(payload_root, SPIRE)
+    payloads.truncate_once[SPIRE] = 100
+    fetched = Cache(tmp_path / "cache", retry=QUICK).fetch("spire", [payloads.url + SPIRE])
+    assert (fetched.sha256, fetched.size) == (sha, size)
+    assert payloads.requests == [(SPIRE, ""), (SPIRE, "")]  # no Range: nothing pins what the first one sent
+
+
 def test_an_interrupted_download_resumes_with_range_on_the_next_run(tmp_path: Path, payloads: PayloadServer,
                                                                     payload_root: Path) -> None:  # fmt: skip
     sha, size = _digest(payload_root, SPIRE)
