@@ -54,7 +54,7 @@ class _Transient(FetchError):
     """A failure worth another attempt at the same URL."""
 
 
-def _with_retries(name: str, retry: Retry, attempt: Callable[[], T]) -> T:
+def _with_retries(retry: Retry, attempt: Callable[[], T]) -> T:
     pause = retry.backoff_s
     for number in range(1, retry.attempts + 1):
         try:
@@ -149,20 +149,21 @@ def download(
     two attempts could splice two versions of the file into one.
     """
     scheme = urllib.parse.urlsplit(url).scheme
+    if scheme not in ("file", "http", "https"):
+        raise FetchError(f"{name}: unsupported URL scheme in {url}", hint="use http://, https:// or file://")
 
     def attempt() -> None:
         if not resume:
             partial.unlink(missing_ok=True)
-        _download_http(url, partial, name=name, timeout=retry.timeout_s)
+        if scheme == "file":
+            _download_file(url, partial, name=name)
+        else:
+            _download_http(url, partial, name=name, timeout=retry.timeout_s)
 
     if scheme == "file":
-        if not resume:
-            partial.unlink(missing_ok=True)
-        _download_file(url, partial, name=name)
-    elif scheme in ("http", "https"):
-        _with_retries(name, retry, attempt)
+        attempt()  # a local copy: nothing transient to retry
     else:
-        raise FetchError(f"{name}: unsupported URL scheme in {url}", hint="use http://, https:// or file://")
+        _with_retries(retry, attempt)
 
 
 def _download_file(url: str, partial: Path, *, name: str) -> None:
@@ -237,9 +238,7 @@ def fetch_small(url: str, *, name: str, limit: int = 64 * 2**20, retry: Retry = 
             raise FetchError(f"{name}: cannot read {path}: {exc.strerror}") from exc
     if scheme not in ("http", "https"):
         raise FetchError(f"{name}: unsupported URL scheme in {url}")
-    data = _with_retries(
-        name, retry, lambda: _get_small(url, name=name, limit=limit, timeout=retry.timeout_s)
-    )
+    data = _with_retries(retry, lambda: _get_small(url, name=name, limit=limit, timeout=retry.timeout_s))
     if len(data) > limit:
         raise FetchError(f"{name}: {url} is larger than {_human(limit)}")
     return data
