@@ -135,8 +135,15 @@ def prepare(n: int) -> tuple[bytes, list[Prepared]]:
 
 # -- the storm (client processes) ----------------------------------------------------
 async def _one(
-    host: str, port: int, bundle: bytes, agent: Prepared, chain: list[bytes] | None = None
+    host: str,
+    port: int,
+    bundle: bytes,
+    agent: Prepared,
+    chain: list[bytes] | None = None,
+    *,
+    echo: bool = False,
 ) -> tuple[float, str]:
+    """One simulated agent's attestation; ``echo`` answers a no-op server without the credential maths."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
     from grpclib.client import Channel
@@ -164,6 +171,12 @@ async def _one(
             challenge = await stream.recv_message()
             if challenge is None:
                 return time.monotonic() - start, "no challenge"
+            if echo:  # the transport floor's no-op server: same message sizes, no maths
+                await stream.send_message(
+                    agent_pb2.AttestAgentRequest(challenge_response=encode_challenge_response(b"\0" * 32)),
+                    end=True,
+                )
+                return time.monotonic() - start, "ok" if await stream.recv_message() else "no result"
             ek = serialization.load_der_private_key(agent.ek_der, None, unsafe_skip_rsa_key_validation=True)
             if not isinstance(ek, rsa.RSAPrivateKey):
                 return time.monotonic() - start, "bad cached EK"
@@ -194,14 +207,20 @@ async def _one(
 
 
 def _client(  # noqa: PLR0917 - a multiprocessing target takes positional arguments
-    host: str, port: int, bundle: bytes, agents: list[Prepared], concurrency: int, queue: Any
+    host: str,
+    port: int,
+    bundle: bytes,
+    agents: list[Prepared],
+    concurrency: int,
+    queue: Any,
+    echo: bool = False,
 ) -> None:
     async def storm() -> list[tuple[float, str]]:
         sem = asyncio.Semaphore(concurrency)
 
         async def guarded(a: Prepared) -> tuple[float, str]:
             async with sem:
-                return await _one(host, port, bundle, a)
+                return await _one(host, port, bundle, a, echo=echo)
 
         return await asyncio.gather(*(guarded(a) for a in agents))
 
@@ -288,6 +307,68 @@ def crypto_floor(ca_pem: bytes, agent: Prepared, server_dir: Path, rounds: int =
     return out
 
 
+def _storm(
+    pid: int,
+    port: int,
+    bundle: bytes,
+    agents: list[Prepared],
+    args: argparse.Namespace,
+    *,
+    echo: bool = False,
+) -> tuple[list[tuple[float, str]], float, float]:
+    """Drive ``agents`` against the server at ``port`` (process ``pid``): results, wall seconds, server CPU s."""
+    cpu_before = _cpu_seconds(pid)
+    queue: Any = mp.Queue()
+    per_client = max(1, args.concurrency // args.clients)
+    procs = [
+        mp.Process(
+            target=_client,
+            args=("127.0.0.1", port, bundle, agents[i :: args.clients], per_client, queue, echo),
+        )
+        for i in range(args.clients)
+    ]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    results: list[tuple[float, str]] = []
+    for _ in procs:
+        results += queue.get()
+    elapsed = time.monotonic() - start
+    for p in procs:
+        p.join()
+    return results, elapsed, _cpu_seconds(pid) - cpu_before
+
+
+def transport_floor(agents: list[Prepared], args: argparse.Namespace, data_dir: Path) -> float:
+    """Server CPU seconds per exchange of the same gRPC/TLS stack with a no-op handler (bench/transport.py)."""
+    from cryptography.hazmat.primitives import serialization
+
+    from bench.transport import serve_noop
+    from protocol.credential import make_credential
+    from protocol.tpm_payload import decode_attestation_data, encode_challenge
+
+    sample = agents[0]
+    ek = serialization.load_der_private_key(sample.ek_der, None, unsafe_skip_rsa_key_validation=True)
+    challenge = encode_challenge(make_credential(ek.public_key(), sample.ak_name, os.urandom(32)))  # type: ignore[arg-type]
+    decode_attestation_data(sample.payload)  # the cached agents are well-formed
+    data_dir.mkdir(parents=True, exist_ok=True)
+    queue: Any = mp.Queue()
+    proc = mp.Process(target=serve_noop, args=(str(data_dir), TRUST_DOMAIN, challenge, sample.csr, queue))
+    proc.start()
+    try:
+        port, bundle = queue.get(timeout=60)
+        if proc.pid is None:
+            raise RuntimeError("the no-op server did not start")
+        results, _, cpu = _storm(proc.pid, port, bundle, agents, args, echo=True)
+    finally:
+        proc.kill()
+        proc.join()
+    failed = [status for _, status in results if status != "ok"]
+    if failed:
+        raise SystemExit(f"bench/attest: the transport floor run failed: {sorted(set(failed))[:3]}")
+    return cpu / len(results)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -301,7 +382,16 @@ def main() -> int:
     )
     parser.add_argument("--store", default="", help="store DSN (default: SQLite in the server's data_dir)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    parser.add_argument(
+        "--transport-agents",
+        type=int,
+        default=None,
+        help="agents driven against a no-op server on the same gRPC/TLS stack to measure the transport "
+        "floor (default: as many as --agents; 0 skips it)",
+    )
     args = parser.parse_args()
+    if args.transport_agents is None:
+        args.transport_agents = args.agents
     sys.path.insert(0, str(ROOT))
 
     t0 = time.monotonic()
@@ -327,32 +417,15 @@ def main() -> int:
 
     server = ServerProcess(None, work / "config.yaml")
     try:
-        port, bundle = server.attest_port, server.bundle
-        cpu_before = _cpu_seconds(server.pid)
-        queue: Any = mp.Queue()
-        share = [agents[i :: args.clients] for i in range(args.clients)]
-        procs = [
-            mp.Process(
-                target=_client,
-                args=("127.0.0.1", port, bundle, part, max(1, args.concurrency // args.clients), queue),
-            )
-            for part in share
-        ]
-        start = time.monotonic()
-        for p in procs:
-            p.start()
-        results: list[tuple[float, str]] = []
-        for _ in procs:
-            results += queue.get()
-        elapsed = time.monotonic() - start
-        for p in procs:
-            p.join()
-        cpu = _cpu_seconds(server.pid) - cpu_before
+        results, elapsed, cpu = _storm(server.pid, server.attest_port, server.bundle, agents, args)
         rss = _peak_rss_mib(server.pid)
     finally:
         server.stop()
     floor = crypto_floor(ca_pem, agents[0], work / "floor")
     floor_total = sum(floor.values())
+    transport_ms = 0.0
+    if args.transport_agents:
+        transport_ms = transport_floor(agents[: args.transport_agents], args, work / "noop") * 1000
     ok = [lat for lat, status in results if status == "ok"]
     errors = [status for _, status in results if status != "ok"]
     lat = sorted(ok) or [0.0]
@@ -367,6 +440,8 @@ def main() -> int:
         "crypto_floor_ms": round(floor_total * 1000, 3),
         "cpu_to_floor_ratio": round((cpu / max(1, len(ok))) / floor_total, 2),
         "server_peak_rss_mib": round(rss, 1),
+        "transport_floor_ms": round(transport_ms, 3),
+        "transport_to_floor_ratio": round(transport_ms / 1000 / floor_total, 2),
         "wall_s": round(elapsed, 1),
     }
     print(
@@ -379,6 +454,15 @@ def main() -> int:
     for name, seconds in floor.items():
         print(f"                        {seconds * 1000:7.3f} ms  {name}")
     print(f"  CPU / floor         {figures['cpu_to_floor_ratio']}x   (target <= 3x)")
+    if transport_ms:
+        print(
+            f"  transport floor     {transport_ms:.3f} ms per exchange with a no-op handler "
+            f"(grpc.aio + TLS alone) = {figures['transport_to_floor_ratio']}x the crypto floor"
+        )
+        print(
+            f"  attestation logic   {figures['server_cpu_ms_per_attestation'] - transport_ms:.3f} ms "
+            "per attestation above the transport floor"
+        )
     print(f"  server peak RSS     {figures['server_peak_rss_mib']} MiB   (target <= 400 MiB)")
     if errors:
         print("  first errors: " + "; ".join(sorted(set(errors))[:5]))

@@ -33,6 +33,41 @@ log = logging.getLogger(__name__)
 
 AGENT_SERVICE = "spire.api.server.agent.v1.Agent"
 MAX_MESSAGE_BYTES = 1024 * 1024
+MAX_CONCURRENT_RPCS = 4096
+
+
+def grpc_options() -> list[tuple[str, Any]]:
+    """The channel arguments of every gRPC server we run (bench/attest.py measures with these too)."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.so_reuseport", 0),
+        ("grpc.enable_channelz", 0),
+        # Shed connections that carry no RPC for a minute (an agent makes one or two calls).
+        ("grpc.max_connection_idle_ms", 60_000),
+    ]
+
+
+def server_credentials(svid: ServerSvid, *, client_ca: bytes | None = None) -> grpc.ServerCredentials:
+    """TLS with the server SVID; each new connection picks up a renewed SVID (checked at half-life)."""
+    generation = svid.generation
+
+    def config() -> Any:
+        return grpc.ssl_server_certificate_configuration(
+            [(svid.key_pem, svid.chain_pem)], root_certificates=client_ca
+        )
+
+    def fetch() -> Any:
+        nonlocal generation
+        svid.renew_if_due()
+        if svid.generation != generation:
+            generation = svid.generation
+            return config()
+        return None
+
+    return grpc.dynamic_ssl_server_credentials(
+        config(), fetch, require_client_authentication=client_ca is not None
+    )
 
 
 def open_ek_trust(config: ServerConfig) -> EkTrustLike:
@@ -81,26 +116,6 @@ class ServerApp:
         self.audit: AuditLog | None = None
         self.metrics = Metrics.create()
 
-    def _credentials(self, svid: ServerSvid, *, client_ca: bytes | None = None) -> grpc.ServerCredentials:
-        generation = svid.generation
-
-        def config() -> Any:
-            return grpc.ssl_server_certificate_configuration(
-                [(svid.key_pem, svid.chain_pem)], root_certificates=client_ca
-            )
-
-        def fetch() -> Any:
-            nonlocal generation
-            svid.renew_if_due()
-            if svid.generation != generation:
-                generation = svid.generation
-                return config()
-            return None
-
-        return grpc.dynamic_ssl_server_credentials(
-            config(), fetch, require_client_authentication=client_ca is not None
-        )
-
     async def start(self) -> None:
         cfg = self.config
         self.ca = CertificateAuthority.load_or_create(cfg.data_dir, cfg.trust_domain, ca_ttl=cfg.ca_ttl)
@@ -121,21 +136,14 @@ class ServerApp:
             max_payload_bytes=cfg.max_payload_bytes,
             executor=self._executor,
         )
-        options = [
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.so_reuseport", 0),
-            ("grpc.enable_channelz", 0),
-            # Shed connections that carry no RPC for a minute (an agent makes one or two calls).
-            ("grpc.max_connection_idle_ms", 60_000),
-        ]
-        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=4096)
+        options = grpc_options()
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         agent_pb2_grpc.add_AgentServicer_to_server(agent_service, server)
         bundle_pb2_grpc.add_BundleServicer_to_server(BundleService(self.ca), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         host, port = cfg.listen
-        bound = server.add_secure_port(f"{_bracket(host)}:{port}", self._credentials(svid))
+        bound = server.add_secure_port(f"{_bracket(host)}:{port}", server_credentials(svid))
         if bound == 0:
             raise ConfigError(f"listen: cannot bind {host}:{port} (in use, or not an address of this host)")
         self.ports.attest = bound
@@ -188,7 +196,7 @@ class ServerApp:
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         host, port = cfg.join_listen
         bound = server.add_secure_port(
-            f"{_bracket(host)}:{port}", self._credentials(svid, client_ca=self.ca.bundle_pem())
+            f"{_bracket(host)}:{port}", server_credentials(svid, client_ca=self.ca.bundle_pem())
         )
         if bound == 0:
             raise ConfigError(f"join_listen: cannot bind {host}:{port}")

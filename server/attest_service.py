@@ -97,7 +97,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         what: str,
     ) -> agent_pb2.AttestAgentRequest:
         try:
-            return await asyncio.wait_for(it.__anext__(), self.challenge_timeout)
+            async with asyncio.timeout(self.challenge_timeout):
+                return await it.__anext__()
         except TimeoutError:
             raise ChallengeTimeoutError(
                 f"no {what} within {self.challenge_timeout:g} s",
@@ -191,8 +192,9 @@ class AgentService(agent_pb2_grpc.AgentServicer):
                 reason="unexpected_params",
             )
         result = attestor.finish(pending, reply.challenge_response)
-        # A banned agent proves its identity like any other, then is refused before anything is issued.
-        await self._refuse_banned(attempt.agent_id)
+        # A banned agent proves its identity like any other, then is refused before anything leaves
+        # the server. The SVID is signed first so that the ban check and the write share one trip to
+        # the store's thread; a banned agent's SVID is dropped unsent.
         svid = self.ca.issue_agent_svid(csr_key, result.agent_id, self.svid_ttl)
         now = int(time.time())
         record = AgentRecord(
@@ -206,13 +208,8 @@ class AgentService(agent_pb2_grpc.AgentServicer):
             selectors=result.selectors,
             can_reattest=result.can_reattest,
         )
-        try:
-            stored = await self._in_thread(self.store.record_attestation, record)
-        except StoreError:
-            raise
-        except Exception as exc:
-            raise StoreError(f"could not record the attestation: {exc}") from exc
-        if stored.banned:  # banned between our checks and the write
+        stored = await self._in_thread(self._record_unless_banned, record)
+        if stored is None or stored.banned:  # banned before, or between the check and the write
             raise BannedError("failed to attest: agent is banned")
         response = agent_pb2.AttestAgentResponse(
             result=agent_pb2.AttestAgentResponse.Result(
@@ -230,13 +227,20 @@ class AgentService(agent_pb2_grpc.AgentServicer):
         attempt.fields.update(svid_serial=str(svid.serial), svid_expires_at=svid.expires_at)
         self._finish(attempt, "ok", "attested", "OK", "attested")
 
-    async def _refuse_banned(self, agent_id: str) -> None:
+    def _record_unless_banned(self, record: AgentRecord) -> AgentRecord | None:
+        """In the store's thread: None for a banned agent (nothing written), else the stored row."""
         try:
-            banned = await self._in_thread(self.store.is_banned, agent_id)
+            banned = self.store.is_banned(record.spiffe_id)
         except Exception as exc:
             raise StoreError(f"could not check the ban list: {exc}") from exc
         if banned:
-            raise BannedError("failed to attest: agent is banned")
+            return None
+        try:
+            return self.store.record_attestation(record)
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise StoreError(f"could not record the attestation: {exc}") from exc
 
     def _finish(self, attempt: _Attempt, result: str, reason: str, code: str, message: str) -> None:
         elapsed = time.monotonic() - attempt.started
