@@ -1,7 +1,7 @@
 """Pool policies and the verdict: which node may join which pool.
 
 A pool policy says what a node of the pool must have (GPU model and count,
-minimum driver and CUDA versions, MIG, NVSwitch fabric, persistence, the
+minimum driver and CUDA versions, MIG, NVSwitch fabric, active NVLinks per GPU, persistence, the
 control-plane version for the kubelet skew check, free disk), which checks are
 fatal and which only warn, and the labels and taints the node gets at join.
 
@@ -71,6 +71,7 @@ class PoolPolicy:
     min_cuda_version: str | None = None  # "12.8"
     mig: MigPolicy = MigPolicy.ANY
     fabric_required: bool | None = None  # None: required when NVSwitches are on the PCI bus
+    nvlink_count: int | None = None  # active NVLinks every GPU must have (18 on H100/H200 SXM); None: any
     persistence_required: bool = False
     control_plane_version: str | None = None  # "1.31" or "v1.31.4"
     kubelet_skew_required: bool = False
@@ -152,6 +153,7 @@ _SCHEMA: dict[str, dict[str, str] | str] = {
         "mig": "str",
         "fabric_required": "bool",
         "persistence_required": "bool",
+        "nvlink_count": "int",
     },
     "node": {"control_plane_version": "str", "kubelet_skew_required": "bool", "min_free_disk_gib": "int"},
     "checks": {"fatal": "list", "warn": "list"},
@@ -252,6 +254,12 @@ def policy_from_mapping(data: Mapping[str, Any]) -> PoolPolicy:
             changes["mig"] = MigPolicy(gpu["mig"])
         except ValueError:
             raise PolicyError(f"gpu.mig: {gpu['mig']!r} is not one of disabled, enabled, any") from None
+    if "nvlink_count" in gpu:
+        if gpu["nvlink_count"] < 1 or gpu["nvlink_count"] > 36:
+            raise PolicyError(
+                "gpu.nvlink_count: must be 1 to 36 (NVML_NVLINK_MAX_LINKS); omit it to accept any count"
+            )
+        changes["nvlink_count"] = gpu["nvlink_count"]
     for key in ("fabric_required", "persistence_required"):
         if key in gpu:
             changes[key] = gpu[key]
@@ -306,6 +314,7 @@ def policy_to_mapping(policy: PoolPolicy) -> dict[str, Any]:
         ("min_driver", policy.min_driver_version),
         ("min_cuda", policy.min_cuda_version),
         ("fabric_required", policy.fabric_required),
+        ("nvlink_count", policy.nvlink_count),
     ):
         if value is not None:
             gpu[key] = value

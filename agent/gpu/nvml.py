@@ -21,6 +21,13 @@ log = logging.getLogger(__name__)
 
 Row = dict[str, JsonValue]
 
+# nvml.h field identifiers (pynvml has the same names); read through nvmlDeviceGetFieldValues.
+FI_NVLINK_LINK_COUNT = 91  # NVML_FI_DEV_NVLINK_LINK_COUNT
+FI_GPU_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+NVLINK_MAX_LINKS = 36  # NVML_NVLINK_MAX_LINKS
+# nvmlValueType_t -> the member of the nvmlValue_t union that holds the value (no double: JSON has no floats).
+_VALUE_MEMBERS = {1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
+
 
 @dataclass
 class GpuSnapshot:
@@ -62,6 +69,10 @@ class _Nvml:
             return fn(*args), None
         except self.m.NVMLError as exc:
             return None, self.code(exc)
+
+    def name(self, code: int) -> str:
+        name: str = self.names.get(code, f"NVML_ERROR_{code}")
+        return name
 
     def call_either(self, first: str, fallback: str, *args: Any) -> tuple[Any, str | None]:
         """Call ``first``; when an older driver lacks it (or its structure version), call ``fallback``."""
@@ -153,6 +164,15 @@ def _gpu(nv: _Nvml, index: int) -> GpuSnapshot:
     )
     gpu.rows["gpu.thermal"] = row(temperature_c=temp, clocks_event_reasons=reasons, error=err or err2)
     gpu.rows["gpu.fabric"] = row(**_fabric(nv, handle))
+    _, err = nv.call(m.nvmlDeviceValidateInforom, handle)
+    gpu.rows["gpu.inforom"] = row(error=err)
+    fields, fields_err = _fields(nv, handle, (FI_NVLINK_LINK_COUNT, FI_GPU_RECOVERY_ACTION))
+    action, action_err = fields.get(FI_GPU_RECOVERY_ACTION, (None, None))
+    gpu.rows["gpu.recovery_action"] = row(action=action, error=fields_err, field_error=action_err)
+    gpu.rows["gpu.nvlink"] = row(
+        **_nvlink(nv, handle, *fields.get(FI_NVLINK_LINK_COUNT, (None, fields_err)))
+    )
+    gpu.rows["gpu.processes"] = row(**_processes(nv, handle))
     return gpu
 
 
@@ -229,3 +249,64 @@ def _fabric(nv: _Nvml, handle: Any) -> dict[str, JsonValue]:
         "health_mask": int(info.healthMask),
         "error": None,
     }
+
+
+def _fields(
+    nv: _Nvml, handle: Any, ids: tuple[int, ...]
+) -> tuple[dict[int, tuple[int | None, str | None]], str | None]:
+    """nvmlDeviceGetFieldValues in one call: ({field id: (value, the field's own nvmlReturn)}, the call's error).
+
+    A driver that does not know a field answers the call with success and puts the error
+    (``NOT_SUPPORTED``, or ``INVALID_ARGUMENT`` for an unknown id) in that field's ``nvmlReturn``.
+    """
+    values, err = nv.call(nv.m.nvmlDeviceGetFieldValues, handle, list(ids))
+    if err is not None:
+        return {}, err
+    out: dict[int, tuple[int | None, str | None]] = {}
+    for field_id, fv in zip(ids, values, strict=True):
+        if int(fv.nvmlReturn) != 0:
+            out[field_id] = (None, nv.name(int(fv.nvmlReturn)))
+            continue
+        member = _VALUE_MEMBERS.get(int(fv.valueType))
+        if member is None:
+            out[field_id] = (None, f"NVML_VALUE_TYPE_{int(fv.valueType)}")
+            continue
+        out[field_id] = (int(getattr(fv.value, member)), None)
+    return out, None
+
+
+def _nvlink(nv: _Nvml, handle: Any, count: int | None, count_error: str | None) -> dict[str, JsonValue]:
+    """nvmlDeviceGetNvLinkState for each link below the link count.
+
+    Without the count field (``count_error``), links are probed from 0 up to
+    NVML_NVLINK_MAX_LINKS until one answers NOT_SUPPORTED or INVALID_ARGUMENT.
+    """
+    m = nv.m
+    links: list[JsonValue] = []
+    if count is not None:
+        for link in range(min(count, NVLINK_MAX_LINKS)):
+            state, err = nv.call(m.nvmlDeviceGetNvLinkState, handle, link)
+            links.append({"link": link, "state": state, "error": err})
+    else:
+        for link in range(NVLINK_MAX_LINKS):
+            state, err = nv.call(m.nvmlDeviceGetNvLinkState, handle, link)
+            if err in ("NVML_ERROR_NOT_SUPPORTED", "NVML_ERROR_INVALID_ARGUMENT"):
+                break
+            links.append({"link": link, "state": state, "error": err})
+    return {"link_count": count, "count_error": count_error, "links": links}
+
+
+def _processes(nv: _Nvml, handle: Any) -> dict[str, JsonValue]:
+    """Compute and graphics processes (v3 calls, v2 on drivers that predate them)."""
+    out: dict[str, JsonValue] = {}
+    for kind, first, fallback in (
+        ("compute", "nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"),
+        ("graphics", "nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2"),
+    ):
+        procs, err = nv.call_either(first, fallback, handle)
+        rows: list[JsonValue] = []
+        for p in procs or []:
+            used = p.usedGpuMemory
+            rows.append({"pid": int(p.pid), "used_memory": None if used is None else int(used)})
+        out[kind], out[f"{kind}_error"] = rows, err
+    return out

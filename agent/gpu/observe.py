@@ -33,6 +33,16 @@ PER_GPU_CHECKS = (
         "nvmlDeviceGetTemperatureV(NVML_TEMPERATURE_GPU), nvmlDeviceGetCurrentClocksEventReasons",
     ),
     ("gpu.fabric", "nvmlDeviceGetGpuFabricInfoV"),
+    ("gpu.inforom", "nvmlDeviceValidateInforom"),
+    ("gpu.recovery_action", "nvmlDeviceGetFieldValues(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)"),
+    (
+        "gpu.nvlink",
+        "nvmlDeviceGetFieldValues(NVML_FI_DEV_NVLINK_LINK_COUNT), nvmlDeviceGetNvLinkState",
+    ),
+    (
+        "gpu.processes",
+        "nvmlDeviceGetComputeRunningProcesses_v3, nvmlDeviceGetGraphicsRunningProcesses_v3",
+    ),
 )
 PERSISTENCED = "nvidia-persistenced"
 FABRICMANAGER = "nv-fabricmanager"

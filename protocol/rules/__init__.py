@@ -104,6 +104,13 @@ RULES: tuple[Rule, ...] = (
         nvml._identity,
     ),
     Rule(
+        "gpu.inforom",
+        FATAL,
+        "nvmlDeviceValidateInforom",
+        "the infoROM of every GPU is valid (skipped where NOT_SUPPORTED)",
+        nvml._inforom,
+    ),
+    Rule(
         "gpu.pcie",
         FATAL,
         "nvmlDeviceGetCurrPcieLinkWidth/GetMaxPcieLinkWidth, "
@@ -136,6 +143,14 @@ RULES: tuple[Rule, ...] = (
         nvml._memory,
     ),
     Rule(
+        "gpu.recovery_action",
+        FATAL,
+        "nvmlDeviceGetFieldValues(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION)",
+        "the driver requests no recovery action (NVML_GPU_RECOVERY_ACTION_NONE) on any GPU "
+        "(skipped on drivers without the field)",
+        nvml._recovery_action,
+    ),
+    Rule(
         "gpu.persistence_mode",
         FATAL,
         "nvmlDeviceGetPersistenceMode",
@@ -157,6 +172,15 @@ RULES: tuple[Rule, ...] = (
         nvml._thermal,
     ),
     Rule(
+        "gpu.nvlink",
+        FATAL,
+        "nvmlDeviceGetFieldValues(NVML_FI_DEV_NVLINK_LINK_COUNT) (else links probed below "
+        "NVML_NVLINK_MAX_LINKS), nvmlDeviceGetNvLinkState per link",
+        "every NVLink of every GPU active, and as many as the pool's nvlink_count; "
+        "a GPU without NVLink fails when the fabric is required, else is skipped",
+        nvml._nvlink,
+    ),
+    Rule(
         "gpu.fabric",
         FATAL,
         "nvmlDeviceGetGpuFabricInfoV (v3, else v2): state, status, cliqueId, clusterUuid, healthMask",
@@ -169,6 +193,13 @@ RULES: tuple[Rule, ...] = (
         "/proc/<pid>/comm of every process (nv-fabricmanager)",
         "Fabric Manager runs when the fabric is required",
         gpu._fabricmanager,
+    ),
+    Rule(
+        "gpu.processes",
+        WARN,
+        "nvmlDeviceGetComputeRunningProcesses_v3, nvmlDeviceGetGraphicsRunningProcesses_v3",
+        "no compute or graphics process on any GPU (nothing runs before the node joins)",
+        nvml._processes,
     ),
     Rule(
         "gpu.xid",

@@ -118,7 +118,11 @@ Judge = Callable[[Obs], Judgement]
 
 
 def _per_gpu(ctx: Context, name: str, expected: str, judge: Judge) -> Outcome:
-    """Judge every GPU NVML can reach; the worst status wins; reasons name each GPU."""
+    """Judge every GPU NVML can reach; the worst status wins; reasons name each GPU.
+
+    A GPU judged ``skip`` (the feature is not supported there) counts as a pass beside
+    others; when every GPU is skipped, so is the check, with the reason.
+    """
     gate = _nvml_gate(ctx)
     if gate is not None:
         return replace(gate, expected=expected)
@@ -140,6 +144,11 @@ def _per_gpu(ctx: Context, name: str, expected: str, judge: Judge) -> Outcome:
         observed = "; ".join(f"{_label(row)}: {seen}" for row, _, seen, _ in results)
     if lost:
         observed += f" (not evaluated: GPU {', '.join(str(i) for i in lost)}, see gpu.nvml.devices)"
+    if all(st is Status.SKIP for _, st, _, _ in results):
+        whys = [why for _, _, _, why in results]
+        if len(set(whys)) == 1:
+            return skipped(f"{plural(len(rows), 'GPU')}: {whys[0]}", expected)
+        return skipped("; ".join(f"{_label(row)}: {why}" for row, _, _, why in results), expected)
     fails = [f"{_label(row)}: {why}" for row, st, _, why in results if st is Status.FAIL]
     warns = [f"{_label(row)}: {why}" for row, st, _, why in results if st is Status.WARN]
     if fails:

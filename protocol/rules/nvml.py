@@ -7,6 +7,7 @@ from dataclasses import replace
 from protocol.report import Status
 from protocol.rules.base import (
     Context,
+    Malformed,
     Obs,
     Outcome,
     failed,
@@ -35,6 +36,30 @@ from protocol.rules.gpu import (
 _OK = Status.PASS
 _FAIL = Status.FAIL
 _WARN = Status.WARN
+_SKIP = Status.SKIP
+
+CORRUPTED_INFOROM = "NVML_ERROR_CORRUPTED_INFOROM"
+FUNCTION_NOT_FOUND = "NVML_ERROR_FUNCTION_NOT_FOUND"
+INVALID_ARGUMENT = "NVML_ERROR_INVALID_ARGUMENT"
+NVLINK_MAX_LINKS = 36  # NVML_NVLINK_MAX_LINKS
+NVLINK_ACTIVE = 1  # nvmlDeviceGetNvLinkState: NVML_FEATURE_ENABLED
+# NVML_GPU_RECOVERY_ACTION_* (nvml.h) -> (name, what to do). At first boot nothing runs on the
+# GPUs, so "drain" has nothing to wait for: the reset or reboot is what remains.
+RECOVERY_ACTIONS = {
+    1: ("GPU_RESET", "reset the GPU (nvidia-smi -r -i {index}) or reboot the node"),
+    2: ("NODE_REBOOT", "reboot the node"),
+    3: (
+        "DRAIN_P2P",
+        "drain peer-to-peer (NVLink) work from the GPU, then reset it (nvidia-smi -r -i {index})",
+    ),
+    4: (
+        "DRAIN_AND_RESET",
+        "drain the GPU's work, then reset it (nvidia-smi -r -i {index}) or reboot the node",
+    ),
+    5: ("RECOVER_IMEX_DOMAIN", "recover the GPU's IMEX domain (restart nvidia-imex on the domain's nodes)"),
+    6: ("BUS_RESET", "reset the GPU's PCI bus (reboot the node)"),
+    7: ("SYSTEM_REBOOT", "reboot the system (a full power cycle)"),
+}
 
 
 def _nvml_init(ctx: Context) -> Outcome:
@@ -370,3 +395,143 @@ def _xid(ctx: Context) -> Outcome:
         f" (application XIDs: {', '.join(ignored)})" if ignored else ""
     )
     return passed(observed, expected)
+
+
+def _inforom(ctx: Context) -> Outcome:
+    def judge(row: Obs) -> Judgement:
+        e = _error(row)
+        if e is None:
+            return _OK, "valid", ""
+        if e == NOT_SUPPORTED:
+            return _SKIP, "not supported", "infoROM validation is not supported (NVML_ERROR_NOT_SUPPORTED)"
+        if e == CORRUPTED_INFOROM:
+            return (
+                _FAIL,
+                "corrupted",
+                "infoROM corrupted (NVML_ERROR_CORRUPTED_INFOROM): keep the GPU out of service; "
+                "have its infoROM reflashed or the board RMAed through NVIDIA support",
+            )
+        return (
+            _FAIL,
+            "validation failed",
+            f"infoROM validation failed: {nvml_error_text(e)}; if it persists, have the infoROM "
+            "reflashed or the board RMAed through NVIDIA support",
+        )
+
+    return _per_gpu(ctx, "gpu.inforom", "infoROM valid", judge)
+
+
+def _recovery_action(ctx: Context) -> Outcome:
+    def judge(row: Obs) -> Judgement:
+        if (e := _error(row)) is not None:
+            if e in (NOT_SUPPORTED, FUNCTION_NOT_FOUND):
+                return _SKIP, "not supported", f"nvmlDeviceGetFieldValues is not supported ({e})"
+            return _FAIL, "unreadable", f"nvmlDeviceGetFieldValues failed: {nvml_error_text(e)}"
+        if (fe := row.opt_text("field_error")) is not None:
+            if fe in (NOT_SUPPORTED, INVALID_ARGUMENT):
+                return (
+                    _SKIP,
+                    "not reported",
+                    f"the driver does not report NVML_FI_DEV_GET_GPU_RECOVERY_ACTION ({fe}; older drivers lack it)",
+                )
+            return _FAIL, "unreadable", f"NVML_FI_DEV_GET_GPU_RECOVERY_ACTION: {nvml_error_text(fe)}"
+        action = row.num("action")
+        if action == 0:
+            return _OK, "none", ""
+        name, todo = RECOVERY_ACTIONS.get(
+            action, (str(action), "an action this version does not know: see NVIDIA's NVML documentation")
+        )
+        return (
+            _FAIL,
+            name,
+            f"the driver requests recovery action {name} (NVML_GPU_RECOVERY_ACTION {action}): "
+            + todo.format(index=row.num("index")),
+        )
+
+    return _per_gpu(ctx, "gpu.recovery_action", "recovery action NONE", judge)
+
+
+def _nvlink(ctx: Context) -> Outcome:
+    required = _fabric_required(ctx)
+    want = ctx.policy.nvlink_count
+
+    def judge(row: Obs) -> Judgement:
+        links = row.objs("links")
+        count = row.opt_num("link_count")
+        if count is not None and len(links) != min(count, NVLINK_MAX_LINKS):
+            raise Malformed(f"{row.where}: {len(links)} links for a link count of {count}")
+        unreadable = [(ln.num("link"), e) for ln in links if (e := ln.opt_text("error")) is not None]
+        down = [
+            ln.num("link")
+            for ln in links
+            if ln.opt_text("error") is None and ln.num("state") != NVLINK_ACTIVE
+        ]
+        active = len(links) - len(unreadable) - len(down)
+        if not links:
+            err = row.opt_text("count_error")
+            seen = "no NVLink"
+            if want is not None:
+                return _FAIL, seen, f"the GPU reports no NVLink, the pool expects {want} active links"
+            if required:
+                return _FAIL, seen, "the GPU reports no NVLink, the pool requires the NVSwitch fabric"
+            return _SKIP, seen, f"no NVLink ({err})" if err else "no NVLink (link count 0)"
+        seen = f"{active} of {len(links)} links active"
+        problems = []
+        if down:
+            problems.append(
+                f"NVLink {', '.join(str(n) for n in down)} inactive: reset the GPU (nvidia-smi -r) or "
+                "reboot; if a link stays down, have the GPU baseboard serviced"
+            )
+        if unreadable:
+            problems.append(
+                "state unreadable: " + ", ".join(f"link {n}: {nvml_error_text(e)}" for n, e in unreadable)
+            )
+        if want is not None and active != want:
+            problems.append(f"{active} active links, the pool expects {want}")
+        if not problems:
+            return _OK, f"{active} links active", ""
+        if not active and not unreadable and not required and want is None:
+            return _WARN, seen, "no NVLink is active (no NVLink bridge or switch connected?)"
+        return _FAIL, seen, "; ".join(problems)
+
+    if want is not None:
+        expected = f"{want} active NVLinks per GPU"
+    elif required:
+        expected = "every NVLink active (the pool requires the NVSwitch fabric)"
+    else:
+        expected = "every NVLink active (GPUs without NVLink skipped)"
+    return _per_gpu(ctx, "gpu.nvlink", expected, judge)
+
+
+def _mib(used: int | None) -> str:
+    return "memory unknown" if used is None else f"{used // 2**20} MiB"
+
+
+def _processes(ctx: Context) -> Outcome:
+    def judge(row: Obs) -> Judgement:
+        found: list[str] = []
+        problems: list[str] = []
+        unsupported = 0
+        for kind in ("compute", "graphics"):
+            e = row.opt_text(f"{kind}_error")
+            if e is not None:
+                if e == NOT_SUPPORTED:
+                    unsupported += 1
+                else:
+                    problems.append(f"{kind} processes unreadable: {nvml_error_text(e)}")
+                continue
+            for proc in row.objs(kind):
+                found.append(f"{kind} pid {proc.num('pid')} ({_mib(proc.opt_num('used_memory'))})")
+        if found:
+            why = (
+                f"running: {', '.join(found)}; nothing should use the GPUs before the node joins: "
+                "find what started it and stop it"
+            )
+            return _FAIL, plural(len(found), "process"), "; ".join([why, *problems])
+        if problems:
+            return _FAIL, "unreadable", "; ".join(problems)
+        if unsupported == 2:
+            return _SKIP, "not supported", "process lists are not supported (NVML_ERROR_NOT_SUPPORTED)"
+        return _OK, "no process", ""
+
+    return _per_gpu(ctx, "gpu.processes", "no compute or graphics process on any GPU", judge)

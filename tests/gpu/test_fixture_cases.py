@@ -30,6 +30,10 @@ REQUIRED_CASES = {
     "mig-forbidden",
     "no-gpu-gpu-pool",
     "no-gpu-cpu-pool",
+    "inforom-corrupted",
+    "recovery-node-reboot",
+    "nvlink-down",
+    "compute-process-running",
 }
 
 

@@ -67,6 +67,87 @@ def test_values_come_through_pynvml(nvml_double: Path) -> None:
     assert fabric["cluster_uuid"] == "5e0c1f3a-9d2b-4c7e-8f10-a2b3c4d5e6f7"
 
 
+def test_new_checklist_rows_come_through_pynvml(nvml_double: Path) -> None:
+    gpu = snapshot(nvml_double, HEALTHY)["gpus"][7]["rows"]
+    assert gpu["gpu.inforom"] == {"index": 7, "bus_id": "00000000:DB:00.0", "error": None}
+    assert gpu["gpu.recovery_action"] | {"bus_id": None} == {
+        "index": 7, "bus_id": None, "action": 0, "error": None, "field_error": None,
+    }  # fmt: skip
+    nvlink = gpu["gpu.nvlink"]
+    assert (nvlink["link_count"], nvlink["count_error"]) == (18, None)
+    assert nvlink["links"] == [{"link": n, "state": 1, "error": None} for n in range(18)]
+    assert gpu["gpu.processes"] | {"bus_id": None} == {
+        "index": 7, "bus_id": None, "compute": [], "compute_error": None, "graphics": [],
+        "graphics_error": None,
+    }  # fmt: skip
+
+
+def test_new_checklist_failures_are_recorded(nvml_double: Path, tmp_path: Path) -> None:
+    conf = _conf(
+        tmp_path,
+        "\n".join(
+            [
+                "gpu.0.inforom_error=14",
+                "gpu.1.fail.nvmlDeviceValidateInforom=3",
+                "gpu.2.recovery_action=4",
+                "gpu.3.field_error.230=3",
+                "gpu.4.nvlink_down=0,17",
+                "gpu.5.nvlink_count=0",
+                # an older driver without the link-count field: links are probed
+                "gpu.6.field_error.91=2",
+                "gpu.6.nvlink_count=4",
+                "gpu.6.nvlink_down=2",
+                # more processes than the first call's guess (count 0): the two-call size protocol
+                "gpu.7.compute_procs=4242:1610612736,4243:1048576,4244:0",
+                "gpu.7.graphics_procs=901:65536",
+                "gpu.1.fail.nvmlDeviceGetGraphicsRunningProcesses_v3=3",
+            ]
+        ),
+    )
+    gpus = [g["rows"] for g in snapshot(nvml_double, conf)["gpus"]]
+    assert gpus[0]["gpu.inforom"]["error"] == "NVML_ERROR_CORRUPTED_INFOROM"
+    assert gpus[1]["gpu.inforom"]["error"] == "NVML_ERROR_NOT_SUPPORTED"
+    assert gpus[2]["gpu.recovery_action"]["action"] == 4
+    assert (gpus[3]["gpu.recovery_action"]["action"], gpus[3]["gpu.recovery_action"]["field_error"]) == (
+        None,
+        "NVML_ERROR_NOT_SUPPORTED",
+    )
+    assert [ln["link"] for ln in gpus[4]["gpu.nvlink"]["links"] if ln["state"] != 1] == [0, 17]
+    assert (gpus[5]["gpu.nvlink"]["link_count"], gpus[5]["gpu.nvlink"]["links"]) == (0, [])
+    probed = gpus[6]["gpu.nvlink"]
+    assert (probed["link_count"], probed["count_error"]) == (None, "NVML_ERROR_INVALID_ARGUMENT")
+    assert [ln["state"] for ln in probed["links"]] == [1, 1, 0, 1]
+    procs = gpus[7]["gpu.processes"]
+    assert procs["compute"] == [
+        {"pid": 4242, "used_memory": 1610612736},
+        {"pid": 4243, "used_memory": 1048576},
+        {"pid": 4244, "used_memory": 0},
+    ]
+    assert procs["graphics"] == [{"pid": 901, "used_memory": 65536}]
+    assert (gpus[1]["gpu.processes"]["graphics"], gpus[1]["gpu.processes"]["graphics_error"]) == (
+        [],
+        "NVML_ERROR_NOT_SUPPORTED",
+    )
+
+
+def test_double_structures_match_pynvml_byte_for_byte() -> None:
+    """The _Static_asserts in the double state nvml.h's layout; pynvml's ctypes structures must agree."""
+    import pynvml
+
+    source = (Path(__file__).resolve().parents[1] / "nvml_double" / "nvml_double.c").read_text()
+    structs = {
+        "nvmlFieldValue_t": pynvml.c_nvmlFieldValue_t,
+        "nvmlProcessInfo_t": pynvml.c_nvmlProcessInfo_v3_t,
+    }
+    sizes = re.findall(r"_Static_assert\(sizeof\((\w+)\) == (\d+)", source)
+    offsets = re.findall(r"_Static_assert\(offsetof\((\w+), (\w+)\) == (\d+)", source)
+    assert {name for name, _ in sizes} == set(structs) and len(offsets) >= 6
+    for name, size in sizes:
+        assert ctypes.sizeof(structs[name]) == int(size), name
+    for name, member, offset in offsets:
+        assert getattr(structs[name], member).offset == int(offset), (name, member)
+
+
 def test_a_failing_query_is_recorded_not_raised(nvml_double: Path, tmp_path: Path) -> None:
     conf = _conf(tmp_path, "gpu.4.fail.nvmlDeviceGetRemappedRows=999\ngpu.5.fail.nvmlDeviceGetEccMode=3")
     gpus = snapshot(nvml_double, conf)["gpus"]

@@ -56,6 +56,7 @@ def test_full_profile() -> None:
                 "mig": "disabled",
                 "fabric_required": True,
                 "persistence_required": True,
+                "nvlink_count": 18,
             },
             "node": {"control_plane_version": "v1.31.4", "min_free_disk_gib": 50},
             "checks": {"fatal": ["node.time_sync"], "warn": ["gpu.pcie"]},
@@ -66,6 +67,7 @@ def test_full_profile() -> None:
         }
     )
     assert policy.gpu_count == 8 and policy.mig is MigPolicy.DISABLED and policy.fabric_required is True
+    assert policy.nvlink_count == 18
     assert policy.severity("node.time_sync").value == "fatal" and policy.severity("gpu.pcie").value == "warn"
     assert policy.taints == (Taint("example.com/x", "NoExecute"),)
     assert policy.label_map == {"example.com/pool": "h200"}
@@ -89,6 +91,14 @@ def test_full_profile() -> None:
         ),
         ({"name": "p", "gpu": {"mig": "off"}}, "gpu.mig: 'off' is not one of disabled, enabled, any"),
         ({"name": "p", "gpu": {"count": -1}}, "gpu.count: must be 0"),
+        (
+            {"name": "p", "gpu": {"nvlink_count": "18"}},
+            "gpu.nvlink_count: expected an integer, got str '18'",
+        ),
+        ({"name": "p", "gpu": {"nvlink_count": True}}, "gpu.nvlink_count: expected an integer, got bool"),
+        ({"name": "p", "gpu": {"nvlink_count": 0}}, "gpu.nvlink_count: must be 1 to 36"),
+        ({"name": "p", "gpu": {"nvlink_count": 37}}, "gpu.nvlink_count: must be 1 to 36"),
+        ({"name": "p", "gpu": {"nvlinks": 18}}, "unknown key gpu.nvlinks; allowed in gpu: model, count"),
         ({"name": "p", "gpu": []}, "gpu: expected a mapping with keys model, count"),
         (
             {"name": "p", "node": {"control_plane_version": "latest"}},

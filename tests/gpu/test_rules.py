@@ -257,7 +257,17 @@ PER_GPU = (
     "gpu.mig",
     "gpu.thermal",
     "gpu.fabric",
+    "gpu.inforom",
+    "gpu.recovery_action",
+    "gpu.nvlink",
+    "gpu.processes",
 )
+
+
+def test_per_gpu_list_matches_the_agent() -> None:
+    from agent.gpu.observe import PER_GPU_CHECKS
+
+    assert set(PER_GPU) == {name for name, _ in PER_GPU_CHECKS}
 
 
 def test_lost_gpu_fails_once_with_a_hint(healthy_report: Report, h200_policy: PoolPolicy) -> None:
@@ -319,3 +329,209 @@ def test_any_observation_shape_gives_a_verdict(
     assert set(checks) == set(CHECK_NAMES)
     assert all(c.status in Status for c in checks.values())
     assert verdict.passed is not any(c.status is Status.FAIL for c in checks.values())
+
+
+NEW_CHECKS = ("gpu.inforom", "gpu.recovery_action", "gpu.nvlink", "gpu.processes")
+
+
+def test_report_of_an_agent_without_the_new_checks_fails_closed(
+    healthy_report: Report, h200_policy: PoolPolicy
+) -> None:
+    """An older agent's report lacks the new observations: fatal ones fail, warn ones warn, as for any check."""
+    old = replace(healthy_report, checks=tuple(c for c in healthy_report.checks if c.name not in NEW_CHECKS))
+    verdict = evaluate(old, h200_policy)
+    missing = "the report has no result for this check"
+    assert failures(verdict) == {n: missing for n in NEW_CHECKS if n != "gpu.processes"}
+    assert ("gpu.processes", missing) in [(w.check, w.reason) for w in verdict.warnings]
+    # The same on a CPU pool: a missing check is never taken as a skip.
+    cpu = replace(PRESETS["cpu"], warn=frozenset({"node.*"}), fatal=frozenset())
+    cpu_failures = failures(evaluate(old, cpu))
+    assert {n for n in NEW_CHECKS if n != "gpu.processes"} <= set(cpu_failures)
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "fragment"),
+    [
+        (None, Status.PASS, ""),
+        ("NVML_ERROR_CORRUPTED_INFOROM", Status.FAIL, "infoROM corrupted (NVML_ERROR_CORRUPTED_INFOROM)"),
+        ("NVML_ERROR_UNKNOWN", Status.FAIL, "infoROM validation failed: NVML_ERROR_UNKNOWN"),
+        ("NVML_ERROR_NOT_SUPPORTED", Status.SKIP, "infoROM validation is not supported"),
+    ],
+)
+def test_inforom(
+    healthy_report: Report, h200_policy: PoolPolicy, error: str | None, status: Status, fragment: str
+) -> None:
+    def set_error(d: dict[str, Any]) -> None:
+        for r in rows(d):
+            r["error"] = error if r["index"] == 3 or status is Status.SKIP else None
+
+    check = verdict_of(changed(healthy_report, "gpu.inforom", set_error), h200_policy)[0]["gpu.inforom"]
+    assert check.status is status
+    assert fragment in check.reason
+    if status is Status.FAIL:
+        assert (
+            check.reason.startswith("GPU 3 (0000:5d:00.0): ")
+            and "reflashed or the board RMAed" in check.reason
+        )
+    if status is Status.SKIP:
+        assert check.reason.startswith("8 GPUs: ")
+
+
+@pytest.mark.parametrize(
+    ("action", "name", "todo"),
+    [
+        (1, "GPU_RESET", "nvidia-smi -r -i 6"),
+        (2, "NODE_REBOOT", "reboot the node"),
+        (3, "DRAIN_P2P", "drain peer-to-peer"),
+        (4, "DRAIN_AND_RESET", "drain the GPU's work, then reset it"),
+        (99, "99", "an action this version does not know"),
+    ],
+)
+def test_recovery_action_names_what_to_do(
+    healthy_report: Report, h200_policy: PoolPolicy, action: int, name: str, todo: str
+) -> None:
+    def set_action(d: dict[str, Any]) -> None:
+        rows(d)[6]["action"] = action
+
+    f = failures(verdict_of(changed(healthy_report, "gpu.recovery_action", set_action), h200_policy)[1])
+    assert list(f) == ["gpu.recovery_action"]
+    reason = f["gpu.recovery_action"]
+    assert reason.startswith(f"GPU 6 (0000:ba:00.0): the driver requests recovery action {name} ")
+    assert todo in reason
+
+
+@pytest.mark.parametrize(
+    ("error", "field_error", "status"),
+    [
+        (None, "NVML_ERROR_NOT_SUPPORTED", Status.SKIP),
+        (None, "NVML_ERROR_INVALID_ARGUMENT", Status.SKIP),
+        ("NVML_ERROR_FUNCTION_NOT_FOUND", None, Status.SKIP),
+        (None, "NVML_ERROR_UNKNOWN", Status.FAIL),
+        ("NVML_ERROR_GPU_IS_LOST", None, Status.FAIL),
+    ],
+)
+def test_recovery_action_unreadable(
+    healthy_report: Report,
+    h200_policy: PoolPolicy,
+    error: str | None,
+    field_error: str | None,
+    status: Status,
+) -> None:
+    def unreadable(d: dict[str, Any]) -> None:
+        for r in rows(d):
+            r["action"], r["error"], r["field_error"] = None, error, field_error
+
+    checks = verdict_of(changed(healthy_report, "gpu.recovery_action", unreadable), h200_policy)[0]
+    assert checks["gpu.recovery_action"].status is status
+
+
+def _links(d: dict[str, Any], index: int, down: list[int], count: int = 18) -> None:
+    row = rows(d)[index]
+    row["link_count"] = count
+    row["links"] = [{"link": n, "state": 0 if n in down else 1, "error": None} for n in range(count)]
+
+
+def test_nvlink_down_names_gpu_and_links(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    obs = changed(healthy_report, "gpu.nvlink", lambda d: _links(d, 2, [3, 11]))
+    reason = failures(verdict_of(obs, h200_policy)[1])["gpu.nvlink"]
+    assert reason.startswith("GPU 2 (0000:3a:00.0): NVLink 3, 11 inactive")
+    assert "16 active links, the pool expects 18" in reason
+
+
+def test_nvlink_count_from_the_pool(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    obs = observations(healthy_report)
+    assert verdict_of(obs, h200_policy)[0]["gpu.nvlink"].status is Status.PASS
+    f = failures(verdict_of(obs, replace(h200_policy, nvlink_count=12))[1])
+    assert f["gpu.nvlink"].startswith("GPU 0 (0000:18:00.0): 18 active links, the pool expects 12")
+    assert verdict_of(obs, replace(h200_policy, nvlink_count=None))[1].passed
+
+
+def _no_nvlink(d: dict[str, Any]) -> None:
+    for r in rows(d):
+        r["link_count"], r["count_error"], r["links"] = None, "NVML_ERROR_NOT_SUPPORTED", []
+
+
+def _no_switches(d: dict[str, Any]) -> None:
+    d["functions"] = [f for f in d["functions"] if f["class"] != "0x068000"]
+
+
+def test_gpu_without_nvlink_skips_unless_the_fabric_is_required(
+    healthy_report: Report, h200_policy: PoolPolicy
+) -> None:
+    nvlink = {o.name: o for o in changed(healthy_report, "gpu.nvlink", _no_nvlink)}["gpu.nvlink"]
+    pcie_only = [
+        nvlink if o.name == "gpu.nvlink" else o
+        for o in changed(healthy_report, "gpu.pci.inventory", _no_switches)
+    ]
+    auto = replace(h200_policy, fabric_required=None, nvlink_count=None)
+    check = verdict_of(pcie_only, auto)[0]["gpu.nvlink"]
+    assert check.status is Status.SKIP and check.reason == "8 GPUs: no NVLink (NVML_ERROR_NOT_SUPPORTED)"
+    # NVSwitches on the bus make the fabric (and so NVLink) required.
+    with_switches = changed(healthy_report, "gpu.nvlink", _no_nvlink)
+    assert (
+        "the pool requires the NVSwitch fabric" in failures(verdict_of(with_switches, auto)[1])["gpu.nvlink"]
+    )
+    # So does the profile, and so does an expected link count.
+    required = replace(auto, fabric_required=True)
+    assert "requires the NVSwitch fabric" in failures(verdict_of(pcie_only, required)[1])["gpu.nvlink"]
+    counted = replace(auto, nvlink_count=4)
+    assert "the pool expects 4 active links" in failures(verdict_of(pcie_only, counted)[1])["gpu.nvlink"]
+
+
+def test_all_links_inactive_without_requirement_warns(
+    healthy_report: Report, h200_policy: PoolPolicy
+) -> None:
+    def bridge_missing(d: dict[str, Any]) -> None:
+        for i in range(8):
+            _links(d, i, list(range(12)), count=12)
+
+    nvlink = {o.name: o for o in changed(healthy_report, "gpu.nvlink", bridge_missing)}["gpu.nvlink"]
+    obs = [
+        nvlink if o.name == "gpu.nvlink" else o
+        for o in changed(healthy_report, "gpu.pci.inventory", _no_switches)
+    ]
+    checks, verdict = verdict_of(obs, replace(h200_policy, fabric_required=None, nvlink_count=None))
+    assert checks["gpu.nvlink"].status is Status.WARN and verdict.passed
+    assert "no NVLink is active" in checks["gpu.nvlink"].reason
+
+
+def test_nvlink_rows_must_match_their_count(healthy_report: Report, h200_policy: PoolPolicy) -> None:
+    def short(d: dict[str, Any]) -> None:
+        del rows(d)[1]["links"][-1]
+
+    reason = failures(verdict_of(changed(healthy_report, "gpu.nvlink", short), h200_policy)[1])["gpu.nvlink"]
+    assert reason.startswith("observations malformed:") and "17 links for a link count of 18" in reason
+
+
+def _process(d: dict[str, Any]) -> None:
+    rows(d)[0]["compute"] = [{"pid": 4242, "used_memory": 3 * 2**30}]
+    rows(d)[0]["graphics"] = [{"pid": 77, "used_memory": None}]
+
+
+def test_processes_warn_by_default_and_fail_when_the_pool_says(
+    healthy_report: Report, h200_policy: PoolPolicy
+) -> None:
+    obs = changed(healthy_report, "gpu.processes", _process)
+    checks, verdict = verdict_of(obs, h200_policy)
+    assert verdict.passed and checks["gpu.processes"].status is Status.WARN
+    assert checks["gpu.processes"].reason.startswith(
+        "GPU 0 (0000:18:00.0): running: compute pid 4242 (3072 MiB), graphics pid 77 (memory unknown)"
+    )
+    for name in PRESETS:
+        assert PRESETS[name].severity("gpu.processes").value == "warn"
+    strict = policy_from_mapping(
+        {"name": "strict", "preset": "nvke", "checks": {"fatal": ["gpu.processes"], "warn": ["node.*"]}}
+    )
+    assert list(failures(verdict_of(obs, replace(strict, gpu_count=8))[1])) == ["gpu.processes"]
+
+
+def test_new_checks_default_severity() -> None:
+    policy = PoolPolicy(name="p")
+    assert [policy.severity(n).value for n in NEW_CHECKS] == ["fatal", "fatal", "fatal", "warn"]
+    for name, preset_policy in PRESETS.items():
+        assert [preset_policy.severity(n).value for n in NEW_CHECKS] == [
+            "fatal",
+            "fatal",
+            "fatal",
+            "warn",
+        ], name

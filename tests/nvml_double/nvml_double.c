@@ -21,10 +21,23 @@
  *   remap_corr remap_unc remap_pending remap_failure retired_sbe retired_dbe retired_pending
  *   persistence mig_current mig_pending temperature clocks_event_reasons
  *   fabric_state fabric_status fabric_clique fabric_cluster_uuid (32 hex) fabric_health_mask
+ *   inforom_error                    nvmlDeviceValidateInforom returns this code (14 = CORRUPTED_INFOROM)
+ *   recovery_action                  field NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (230): 0 NONE, 1 GPU_RESET,
+ *                                    2 NODE_REBOOT, 3 DRAIN_P2P, 4 DRAIN_AND_RESET
+ *   nvlink_count                     field NVML_FI_DEV_NVLINK_LINK_COUNT (91); links >= it answer NOT_SUPPORTED
+ *   nvlink_down=0,5                  these links are inactive (every other link < nvlink_count is active)
+ *   field_error.<fieldId>=<code>     nvmlDeviceGetFieldValues puts <code> in that field's nvmlReturn
+ *                                    (an older driver that does not know the field); unknown fields
+ *                                    answer NOT_SUPPORTED there
+ *   compute_procs=pid:bytes,...      nvmlDeviceGetComputeRunningProcesses_v3 (at most 16)
+ *   graphics_procs=pid:bytes,...     nvmlDeviceGetGraphicsRunningProcesses_v3 (at most 16)
  * "handle_error" fails nvmlDeviceGetHandleByIndex_v2; "error" fails every query on the GPU.
+ * Structures have the layout of nvml.h (and of pynvml's ctypes structures; the _Static_asserts
+ * below are checked against them by tests/gpu/test_nvml.py).
  * If NVML_DOUBLE_CALL_LOG names a file, nvmlInitWithFlags and nvmlShutdown append their names to it,
  * so tests can see how often the agent initialises NVML.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,13 +46,25 @@ typedef int nvmlReturn_t;
 #define NVML_SUCCESS 0
 #define NVML_ERROR_UNINITIALIZED 1
 #define NVML_ERROR_INVALID_ARGUMENT 2
+#define NVML_ERROR_NOT_SUPPORTED 3
 #define NVML_ERROR_INSUFFICIENT_SIZE 7
 #define NVML_ERROR_ARGUMENT_VERSION_MISMATCH 25
 #define NVML_ERROR_UNKNOWN 999
 
 #define MAX_GPUS 64
 #define MAX_FAILS 16
+#define MAX_PROCS 16
+#define MAX_FIELD_ERRORS 8
 #define STR 96
+#define NVML_NVLINK_MAX_LINKS 36
+#define NVML_FI_DEV_NVLINK_LINK_COUNT 91
+#define NVML_FI_DEV_GET_GPU_RECOVERY_ACTION 230
+#define NVML_VALUE_TYPE_UNSIGNED_INT 1
+
+struct proc {
+    unsigned int pid;
+    unsigned long long used;
+};
 
 struct nvmlDevice_st {
     int index;
@@ -56,6 +81,14 @@ struct nvmlDevice_st {
     unsigned long long clocks_event_reasons;
     unsigned int fabric_state, fabric_status, fabric_clique, fabric_health_mask;
     unsigned char fabric_cluster_uuid[16];
+    int inforom_error;
+    unsigned int recovery_action, nvlink_count;
+    unsigned char nvlink_down[NVML_NVLINK_MAX_LINKS];
+    int nfield_errors;
+    unsigned int field_error_id[MAX_FIELD_ERRORS];
+    int field_error_code[MAX_FIELD_ERRORS];
+    int ncompute, ngraphics;
+    struct proc compute[MAX_PROCS], graphics[MAX_PROCS];
     int nfails;
     char fail_fn[MAX_FAILS][64];
     int fail_code[MAX_FAILS];
@@ -84,6 +117,44 @@ typedef struct {
     unsigned char healthSummary; /* v3 only */
 } nvmlGpuFabricInfoV_t;
 
+/* nvml.h nvmlValue_t / nvmlFieldValue_t (pynvml: c_nvmlValue_t, c_nvmlFieldValue_t) */
+typedef union {
+    double dVal;
+    int siVal;
+    unsigned int uiVal;
+    unsigned long ulVal;
+    unsigned long long ullVal;
+    signed long long sllVal;
+    unsigned short usVal;
+} nvmlValue_t;
+
+typedef struct {
+    unsigned int fieldId;
+    unsigned int scopeId;
+    long long timestamp;
+    long long latencyUsec;
+    int valueType; /* nvmlValueType_t */
+    nvmlReturn_t nvmlReturn;
+    nvmlValue_t value;
+} nvmlFieldValue_t;
+
+/* nvml.h nvmlProcessInfo_t, the v2/v3 layout (pynvml: c_nvmlProcessInfo_v2_t = c_nvmlProcessInfo_v3_t) */
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
+_Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t size");
+_Static_assert(offsetof(nvmlFieldValue_t, timestamp) == 8, "nvmlFieldValue_t.timestamp offset");
+_Static_assert(offsetof(nvmlFieldValue_t, valueType) == 24, "nvmlFieldValue_t.valueType offset");
+_Static_assert(offsetof(nvmlFieldValue_t, nvmlReturn) == 28, "nvmlFieldValue_t.nvmlReturn offset");
+_Static_assert(offsetof(nvmlFieldValue_t, value) == 32, "nvmlFieldValue_t.value offset");
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "nvmlProcessInfo_t size");
+_Static_assert(offsetof(nvmlProcessInfo_t, usedGpuMemory) == 8, "nvmlProcessInfo_t.usedGpuMemory offset");
+_Static_assert(offsetof(nvmlProcessInfo_t, computeInstanceId) == 20, "nvmlProcessInfo_t.computeInstanceId offset");
+
 #define FABRIC_V2 0x02000024u
 #define FABRIC_V3 0x03000028u
 #define TEMPERATURE_V1 0x0100000Cu
@@ -94,6 +165,35 @@ static char driver_version[STR], nvml_version[STR];
 
 static void copy(char *dst, const char *src) { snprintf(dst, STR, "%s", src); }
 
+/* "pid:bytes,pid:bytes" */
+static int set_procs(struct proc *procs, const char *v) {
+    int n = 0;
+    const char *p = v;
+    while (*p && n < MAX_PROCS) {
+        char *end;
+        unsigned long pid = strtoul(p, &end, 0);
+        if (end == p) break;
+        procs[n].pid = (unsigned int)pid;
+        procs[n].used = *end == ':' ? strtoull(end + 1, &end, 0) : 0;
+        n++;
+        p = *end == ',' ? end + 1 : end;
+    }
+    return n;
+}
+
+/* "0,5": these links are down */
+static void set_links_down(unsigned char *down, const char *v) {
+    memset(down, 0, NVML_NVLINK_MAX_LINKS);
+    const char *p = v;
+    while (*p) {
+        char *end;
+        unsigned long link = strtoul(p, &end, 0);
+        if (end == p) break;
+        if (link < NVML_NVLINK_MAX_LINKS) down[link] = 1;
+        p = *end == ',' ? end + 1 : end;
+    }
+}
+
 static void set_gpu(struct nvmlDevice_st *g, const char *field, const char *v) {
     unsigned long long n = strtoull(v, NULL, 0);
     if (!strncmp(field, "fail.", 5)) {
@@ -101,7 +201,14 @@ static void set_gpu(struct nvmlDevice_st *g, const char *field, const char *v) {
             snprintf(g->fail_fn[g->nfails], 64, "%s", field + 5);
             g->fail_code[g->nfails++] = (int)n;
         }
-    }
+    } else if (!strncmp(field, "field_error.", 12)) {
+        if (g->nfield_errors < MAX_FIELD_ERRORS) {
+            g->field_error_id[g->nfield_errors] = (unsigned int)strtoul(field + 12, NULL, 0);
+            g->field_error_code[g->nfield_errors++] = (int)n;
+        }
+    } else if (!strcmp(field, "compute_procs")) g->ncompute = set_procs(g->compute, v);
+    else if (!strcmp(field, "graphics_procs")) g->ngraphics = set_procs(g->graphics, v);
+    else if (!strcmp(field, "nvlink_down")) set_links_down(g->nvlink_down, v);
 #define NUM(f) else if (!strcmp(field, #f)) g->f = (n)
 #define TXT(f) else if (!strcmp(field, #f)) copy(g->f, v)
     NUM(handle_error); NUM(error); TXT(name); TXT(uuid); TXT(serial); TXT(bus_id);
@@ -110,7 +217,8 @@ static void set_gpu(struct nvmlDevice_st *g, const char *field, const char *v) {
     NUM(ecc_volatile_uncorrected); NUM(remap_corr); NUM(remap_unc); NUM(remap_pending);
     NUM(remap_failure); NUM(retired_sbe); NUM(retired_dbe); NUM(retired_pending); NUM(persistence);
     NUM(mig_current); NUM(mig_pending); NUM(clocks_event_reasons); NUM(fabric_state);
-    NUM(fabric_status); NUM(fabric_clique); NUM(fabric_health_mask);
+    NUM(fabric_status); NUM(fabric_clique); NUM(fabric_health_mask); NUM(inforom_error);
+    NUM(recovery_action); NUM(nvlink_count);
 #undef NUM
 #undef TXT
     else if (!strcmp(field, "temperature")) g->temperature = (int)strtol(v, NULL, 0);
@@ -204,9 +312,11 @@ const char *nvmlErrorString(nvmlReturn_t r) {
     case 1: return "Uninitialized";
     case 2: return "Invalid Argument";
     case 3: return "Not Supported";
+    case 7: return "Insufficient Size";
     case 9: return "Driver Not Loaded";
     case 12: return "NVML Shared Library Not Found";
     case 13: return "Function Not Found";
+    case 14: return "Corrupted infoROM";
     case 15: return "GPU is lost";
     case 16: return "GPU requires restart";
     case 18: return "RM has detected an NVML/RM version mismatch.";
@@ -349,4 +459,58 @@ nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(nvmlDevice_t d, nvmlGpuFabricInfoV_t *i
     info->state = (unsigned char)d->fabric_state;
     info->healthMask = d->fabric_health_mask;
     return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceValidateInforom(nvmlDevice_t d) {
+    GUARD(d);
+    return d->inforom_error;
+}
+nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t d, int valuesCount, nvmlFieldValue_t *values) {
+    GUARD(d);
+    if (valuesCount < 0 || (valuesCount > 0 && !values)) return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *f = &values[i];
+        f->timestamp = 1767225600000000LL + i; /* microseconds */
+        f->latencyUsec = 0;
+        f->valueType = NVML_VALUE_TYPE_UNSIGNED_INT;
+        f->nvmlReturn = NVML_SUCCESS;
+        memset(&f->value, 0, sizeof f->value);
+        for (int e = 0; e < d->nfield_errors; e++)
+            if (d->field_error_id[e] == f->fieldId) f->nvmlReturn = d->field_error_code[e];
+        if (f->nvmlReturn) continue;
+        if (f->fieldId == NVML_FI_DEV_NVLINK_LINK_COUNT) f->value.uiVal = d->nvlink_count;
+        else if (f->fieldId == NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) f->value.uiVal = d->recovery_action;
+        else f->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+    }
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t d, unsigned int link, int *isActive) {
+    GUARD(d);
+    if (link >= NVML_NVLINK_MAX_LINKS || !isActive) return NVML_ERROR_INVALID_ARGUMENT;
+    if (link >= d->nvlink_count) return NVML_ERROR_NOT_SUPPORTED;
+    *isActive = d->nvlink_down[link] ? 0 : 1; /* nvmlEnableState_t: DISABLED 0, ENABLED 1 */
+    return NVML_SUCCESS;
+}
+/* Two calls: a first with *count 0 (or too small) learns the count through INSUFFICIENT_SIZE. */
+static nvmlReturn_t out_procs(const struct proc *procs, int n, unsigned int *count, nvmlProcessInfo_t *infos) {
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    if (*count < (unsigned int)n || (n && !infos)) {
+        *count = (unsigned int)n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (int i = 0; i < n; i++) {
+        infos[i].pid = procs[i].pid;
+        infos[i].usedGpuMemory = procs[i].used;
+        infos[i].gpuInstanceId = 0xFFFFFFFFu; /* no MIG */
+        infos[i].computeInstanceId = 0xFFFFFFFFu;
+    }
+    *count = (unsigned int)n;
+    return NVML_SUCCESS;
+}
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    GUARD(d);
+    return out_procs(d->compute, d->ncompute, count, infos);
+}
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos) {
+    GUARD(d);
+    return out_procs(d->graphics, d->ngraphics, count, infos);
 }
