@@ -38,7 +38,7 @@ from typing import Any
 from protocol.errors import PolicyError
 from protocol.k8s import Taint, label_key_ok, node_name_problem, parse_labels, parse_taints
 from protocol.report import Check, Finding, JsonValue, Observation, Report, Status, Verdict
-from protocol.rules import CHECK_NAMES, RULES_BY_NAME, Context, Malformed, Severity
+from protocol.rules import CHECK_NAMES, PER_GPU_CHECKS, RULES_BY_NAME, Context, Malformed, Severity
 
 __all__ = [
     "PRESETS",
@@ -348,7 +348,11 @@ def policy_to_mapping(policy: PoolPolicy) -> dict[str, Any]:
 def _judge(rule_name: str, ctx: Context, observation: Observation | None, policy: PoolPolicy) -> Check:
     rule = RULES_BY_NAME[rule_name]
     observations: Mapping[str, JsonValue]
-    if observation is None:
+    if observation is None and rule_name in PER_GPU_CHECKS and policy.gpu_count == 0:
+        status, observed, expected = Status.SKIP, "missing", rule.passes_when
+        reason = "not in the report (an older agent); this pool expects no GPU, so there is none to judge"
+        source, observations = rule.source, {}
+    elif observation is None:
         status, observed, expected = Status.FAIL, "missing", rule.passes_when
         reason, source, observations = "the report has no result for this check", rule.source, {}
     else:

@@ -281,6 +281,28 @@ RULES: tuple[Rule, ...] = (
 RULES_BY_NAME: dict[str, Rule] = {r.name: r for r in RULES}
 CHECK_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 
+#: Checks that judge each GPU NVML reports, one row per GPU. On a pool that expects no GPU
+#: (``gpu.count: 0``) they have nothing to judge, so a report that lacks them (an agent older
+#: than the check) is not failed for it there; ``gpu.pci.inventory`` still proves there is no GPU.
+PER_GPU_CHECKS: frozenset[str] = frozenset(
+    {
+        "gpu.model",
+        "gpu.identity",
+        "gpu.inforom",
+        "gpu.pcie",
+        "gpu.ecc.mode",
+        "gpu.ecc.errors",
+        "gpu.memory",
+        "gpu.recovery_action",
+        "gpu.persistence_mode",
+        "gpu.mig",
+        "gpu.thermal",
+        "gpu.nvlink",
+        "gpu.fabric",
+        "gpu.processes",
+    }
+)
+
 __all__ = [
     "CHECK_NAMES",
     "RULES",

@@ -8,17 +8,20 @@ count for nothing.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.policy import PRESETS, PoolPolicy, assess, evaluate, policy_from_mapping
+from protocol.policy import PRESETS, PoolPolicy, assess, evaluate, evaluate_checks, policy_from_mapping
 from protocol.report import Check, Observation, Report, Status, Verdict, canonical_json, parse_report
-from protocol.rules import CHECK_NAMES, RULES
+from protocol.rules import CHECK_NAMES, PER_GPU_CHECKS, RULES
+from tests.gpu.harness import load_case, prepare, run_check
 
 # Collectors run programs (journalctl, containerd, kubelet) or the agent itself through agent.proc.
 pytestmark = pytest.mark.subprocess
@@ -343,10 +346,35 @@ def test_report_of_an_agent_without_the_new_checks_fails_closed(
     missing = "the report has no result for this check"
     assert failures(verdict) == {n: missing for n in NEW_CHECKS if n != "gpu.processes"}
     assert ("gpu.processes", missing) in [(w.check, w.reason) for w in verdict.warnings]
-    # The same on a CPU pool: a missing check is never taken as a skip.
+
+
+def test_a_cpu_pool_skips_per_gpu_checks_an_older_agent_did_not_report(
+    nvml_double: Path, tmp_path: Path
+) -> None:
+    """On a pool that expects no GPU, a missing per-GPU check is a skip; any other missing check still fails."""
     cpu = replace(PRESETS["cpu"], warn=frozenset({"node.*"}), fatal=frozenset())
-    cpu_failures = failures(evaluate(old, cpu))
-    assert {n for n in NEW_CHECKS if n != "gpu.processes"} <= set(cpu_failures)
+    assert cpu.gpu_count == 0
+    run = run_check(prepare(load_case("no-gpu-cpu-pool"), tmp_path / "case"), nvml_double)
+    report = run.report()
+    assert evaluate(report, cpu).passed, failures(evaluate(report, cpu))
+    old = replace(report, checks=tuple(c for c in report.checks if c.name not in NEW_CHECKS))
+    checks = {c.name: c for c in evaluate_checks(old, cpu)}
+    for name in NEW_CHECKS:
+        assert checks[name].status is Status.SKIP, checks[name]
+        assert "older agent" in checks[name].reason
+    assert evaluate(old, cpu).passed
+    # gpu.pci.inventory is what proves there is no GPU: without it the report still fails.
+    blind = replace(old, checks=tuple(c for c in old.checks if c.name != "gpu.pci.inventory"))
+    blind_failures = failures(evaluate(blind, cpu))
+    assert blind_failures["gpu.pci.inventory"] == "the report has no result for this check"
+    # A GPU pool never takes a missing check as a skip.
+    gpu_pool = replace(cpu, gpu_count=8)
+    assert {n for n in NEW_CHECKS if n != "gpu.processes"} <= set(failures(evaluate(old, gpu_pool)))
+
+
+def test_per_gpu_checks_are_exactly_the_rules_judging_each_gpu() -> None:
+    judged_per_gpu = {r.name for r in RULES if "_per_gpu(" in inspect.getsource(r.fn)}
+    assert judged_per_gpu == PER_GPU_CHECKS
 
 
 @pytest.mark.parametrize(
