@@ -30,7 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -318,15 +318,22 @@ def _storm(
 ) -> tuple[list[tuple[float, str]], float, float]:
     """Drive ``agents`` against the server at ``port`` (process ``pid``): results, wall seconds, server CPU s."""
     cpu_before = _cpu_seconds(pid)
-    queue: Any = mp.Queue()
     per_client = max(1, args.concurrency // args.clients)
-    procs = [
-        mp.Process(
-            target=_client,
-            args=("127.0.0.1", port, bundle, agents[i :: args.clients], per_client, queue, echo),
-        )
-        for i in range(args.clients)
-    ]
+
+    def client_args(i: int, queue: Any) -> tuple[Any, ...]:
+        return ("127.0.0.1", port, bundle, agents[i :: args.clients], per_client, queue, echo)
+
+    results, elapsed = fan_out(_client, args.clients, client_args)
+    return results, elapsed, _cpu_seconds(pid) - cpu_before
+
+
+def fan_out(
+    target: Callable[..., None], processes: int, args_for: Callable[[int, Any], tuple[Any, ...]]
+) -> tuple[list[tuple[float, str]], float]:
+    """Run ``target(*args_for(i, queue))`` in ``processes`` processes; each puts its result list on
+    the queue. Returns every result and the wall seconds from the first start to the last result."""
+    queue: Any = mp.Queue()
+    procs = [mp.Process(target=target, args=args_for(i, queue)) for i in range(processes)]
     start = time.monotonic()
     for p in procs:
         p.start()
@@ -336,7 +343,7 @@ def _storm(
     elapsed = time.monotonic() - start
     for p in procs:
         p.join()
-    return results, elapsed, _cpu_seconds(pid) - cpu_before
+    return results, elapsed
 
 
 def transport_floor(agents: list[Prepared], args: argparse.Namespace, data_dir: Path) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.attest import TRUST_DOMAIN, Prepared, _one, prepare  # noqa: E402
+from bench.attest import TRUST_DOMAIN, Prepared, _one, fan_out, prepare  # noqa: E402
 
 
 async def _attest_and_join(  # noqa: PLR0917
@@ -95,36 +94,13 @@ def _storm(  # noqa: PLR0917
     server = ServerProcess(config, work / "config.yaml")
     try:
         attest_port, join_port, bundle = server.attest_port, server.join_port, server.bundle
-        queue: Any = mp.Queue()
-        procs = [
-            mp.Process(
-                target=_client,
-                args=(
-                    (
-                        "127.0.0.1",
-                        attest_port,
-                        join_port,
-                        bundle,
-                        agents[i::clients],
-                        max(1, concurrency // clients),
-                        report,
-                        str(work),
-                        attest_only,
-                    ),
-                    queue,
-                ),
-            )
-            for i in range(clients)
-        ]
-        start = time.monotonic()
-        for p in procs:
-            p.start()
-        results: list[tuple[float, str]] = []
-        for _ in procs:
-            results += queue.get()
-        elapsed = time.monotonic() - start
-        for p in procs:
-            p.join()
+
+        def client_args(i: int, queue: Any) -> tuple[Any, ...]:
+            settings = ("127.0.0.1", attest_port, join_port, bundle, agents[i::clients],
+                        max(1, concurrency // clients), report, str(work), attest_only)  # fmt: skip
+            return (settings, queue)
+
+        results, elapsed = fan_out(_client, clients, client_args)
         return elapsed, results
     finally:
         server.stop()
