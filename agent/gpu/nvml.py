@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.report import JsonValue
+from protocol.rules.nvml import NVLINK_MAX_LINKS
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,6 @@ Row = dict[str, JsonValue]
 # nvml.h field identifiers (pynvml has the same names); read through nvmlDeviceGetFieldValues.
 FI_NVLINK_LINK_COUNT = 91  # NVML_FI_DEV_NVLINK_LINK_COUNT
 FI_GPU_RECOVERY_ACTION = 230  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
-NVLINK_MAX_LINKS = 36  # NVML_NVLINK_MAX_LINKS
 # nvmlValueType_t -> the member of the nvmlValue_t union that holds the value (no double: JSON has no floats).
 _VALUE_MEMBERS = {1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
@@ -62,7 +62,7 @@ class _Nvml:
 
     def code(self, exc: BaseException) -> str:
         value = getattr(exc, "value", None)
-        return self.names.get(value, f"NVML_ERROR_{value}") if isinstance(value, int) else type(exc).__name__
+        return self.name(value) if isinstance(value, int) else type(exc).__name__
 
     def call(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, str | None]:
         try:
