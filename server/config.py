@@ -62,6 +62,17 @@ class ServerConfig:
     ca_ttl: dt.timedelta = dt.timedelta(days=5 * 365)
     challenge_timeout: dt.timedelta = dt.timedelta(seconds=30)
     max_payload_bytes: int = 64 * 1024
+    # What one stranger can hold (docs/attestation.md, "Limits"): see server/limits.py.
+    first_message_timeout: dt.timedelta = dt.timedelta(seconds=10)
+    handshake_timeout: dt.timedelta = dt.timedelta(seconds=10)
+    max_connections: int = 0  # 0: derived from the open-file limit at start
+    max_streams_per_connection: int = 16
+    peer_max_inflight: int = 64
+    attest_rate_per_ip: float = 20.0  # attestations per second per client address; 0: no limit
+    attest_burst_per_ip: int = 100
+    audit_max_bytes: int = 256 * 1024 * 1024  # the audit log rotates at this size
+    audit_backups: int = 4  # rotated audit files kept
+    min_free_bytes: int = 256 * 1024 * 1024  # refuse new work when data_dir has less free space
     server_dns_names: tuple[str, ...] = ()
     ek_trust: EkTrustConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # sections owned by other modules (join, pools)
@@ -89,6 +100,16 @@ _TOP_KEYS = {
     "ca_ttl",
     "challenge_timeout",
     "max_payload_bytes",
+    "first_message_timeout",
+    "handshake_timeout",
+    "max_connections",
+    "max_streams_per_connection",
+    "peer_max_inflight",
+    "attest_rate_per_ip",
+    "attest_burst_per_ip",
+    "audit_max_bytes",
+    "audit_backups",
+    "min_free_bytes",
     "server_dns_names",
     "ek_trust",
 }
@@ -142,7 +163,14 @@ def config_from_mapping(doc: Any, *, base_dir: Path | None = None) -> ServerConf
         kwargs["store"] = _expect(doc["store"], str, "store", "a DSN (sqlite:///path or postgresql://...)")
     if "audit_log" in doc:
         kwargs["audit_log"] = path("audit_log", doc["audit_log"])
-    for key in ("agent_svid_ttl", "server_svid_ttl", "ca_ttl", "challenge_timeout"):
+    for key in (
+        "agent_svid_ttl",
+        "server_svid_ttl",
+        "ca_ttl",
+        "challenge_timeout",
+        "first_message_timeout",
+        "handshake_timeout",
+    ):
         if key in doc:
             kwargs[key] = parse_duration(doc[key], key)
     if "max_payload_bytes" in doc:
@@ -150,6 +178,25 @@ def config_from_mapping(doc: Any, *, base_dir: Path | None = None) -> ServerConf
         if not 1024 <= v <= 4 * 1024 * 1024:
             raise ConfigError("max_payload_bytes: must be between 1024 and 4194304")
         kwargs["max_payload_bytes"] = v
+    for key, low, high in (
+        ("max_connections", 0, 1_000_000),
+        ("max_streams_per_connection", 1, 1000),
+        ("peer_max_inflight", 1, 100_000),
+        ("attest_burst_per_ip", 1, 100_000),
+        ("audit_max_bytes", 1024 * 1024, 1 << 40),
+        ("audit_backups", 0, 1000),
+        ("min_free_bytes", 0, 1 << 40),
+    ):
+        if key in doc:
+            v = _expect(doc[key], int, key, "an integer")
+            if not low <= v <= high:
+                raise ConfigError(f"{key}: must be between {low} and {high}")
+            kwargs[key] = v
+    if "attest_rate_per_ip" in doc:
+        v = _expect(doc["attest_rate_per_ip"], (int, float), "attest_rate_per_ip", "a number")
+        if not 0 <= v <= 100_000:
+            raise ConfigError("attest_rate_per_ip: must be between 0 (no limit) and 100000")
+        kwargs["attest_rate_per_ip"] = float(v)
     if "server_dns_names" in doc:
         names = _expect(doc["server_dns_names"], list, "server_dns_names", "a list of DNS names")
         for i, n in enumerate(names):

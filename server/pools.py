@@ -64,6 +64,13 @@ class JoinSettings:
     clock_skew: dt.timedelta
     pools: dict[str, Pool]
     token_backend: Mapping[str, Any]
+    # Per-agent limits (docs/join.md, "Limits"): a repeated request within token_reuse_window gets
+    # the same live token back; at most joins_per_agent tokens are minted per join_window; the
+    # joins history keeps joins_retention.
+    token_reuse_window: dt.timedelta = dt.timedelta(minutes=2)
+    joins_per_agent: int = 10
+    join_window: dt.timedelta = dt.timedelta(hours=1)
+    joins_retention: dt.timedelta = dt.timedelta(days=30)
 
 
 def ca_cert_hash(pem_or_der: bytes) -> str:
@@ -169,11 +176,31 @@ def join_settings(extra: Mapping[str, Any], *, base_dir: Path | None = None) -> 
         )
     version = _version(cluster.get("kubernetes_version"), "cluster.kubernetes_version")
     join = _mapping(extra.get("join", {}), "join")
-    _only(join, "join", {"token_ttl", "clock_skew"})
+    _only(
+        join,
+        "join",
+        {
+            "token_ttl",
+            "clock_skew",
+            "token_reuse_window",
+            "joins_per_agent",
+            "join_window",
+            "joins_retention",
+        },
+    )
     ttl = parse_duration(join.get("token_ttl", "15m"), "join.token_ttl")
     if not dt.timedelta(minutes=1) <= ttl <= dt.timedelta(hours=24):
         raise ConfigError("join.token_ttl: must be between 1m and 24h (short is the point)")
     skew = parse_duration(join.get("clock_skew", "5m"), "join.clock_skew")
+    limits: dict[str, Any] = {}
+    for key in ("token_reuse_window", "join_window", "joins_retention"):
+        if key in join:
+            limits[key] = parse_duration(join[key], f"join.{key}")
+    if "joins_per_agent" in join:
+        n = join["joins_per_agent"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 10_000:
+            raise ConfigError(f"join.joins_per_agent: expected an integer 1..10000, got {n!r}")
+        limits["joins_per_agent"] = n
     backend = _mapping(extra.get("token_backend"), "token_backend")
     pools_doc = _mapping(extra["pools"], "pools")
     if not pools_doc:
@@ -207,4 +234,5 @@ def join_settings(extra: Mapping[str, Any], *, base_dir: Path | None = None) -> 
         clock_skew=skew,
         pools=pools,
         token_backend=backend,
+        **limits,
     )

@@ -184,3 +184,51 @@ class JoinResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinResponse: _TypeAlias = JoinResponse  # noqa: Y015
+
+@_typing.final
+class JoinedRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.str
+    """The public id of the bootstrap token ("[a-z0-9]{6}", the part before
+    the dot); never the secret.
+    """
+    node_name: _builtins.str
+    """The node name the node joined as."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_name", b"node_name", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinedRequest: _TypeAlias = JoinedRequest  # noqa: Y015
+
+@_typing.final
+class JoinedResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REVOKED_FIELD_NUMBER: _builtins.int
+    revoked: _builtins.bool
+    """True when this call revoked the token; false when it was already gone
+    (revoked before, swept, or replaced).
+    """
+    def __init__(
+        self,
+        *,
+        revoked: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["revoked", b"revoked"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JoinedResponse: _TypeAlias = JoinedResponse  # noqa: Y015

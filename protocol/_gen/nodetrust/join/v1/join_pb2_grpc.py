@@ -44,6 +44,11 @@ class JoinStub:
                 request_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinRequest.SerializeToString,
                 response_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinResponse.FromString,
                 _registered_method=True)
+        self.ReportJoined = channel.unary_unary(
+                '/nodetrust.join.v1.Join/ReportJoined',
+                request_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedRequest.SerializeToString,
+                response_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedResponse.FromString,
+                _registered_method=True)
 
 
 class JoinServicer:
@@ -60,6 +65,16 @@ class JoinServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportJoined(self, request, context):
+        """The agent reports that `kubeadm join` succeeded with the token it was
+        given. The broker revokes that token at once (deletes it from the
+        backend), so a "one-time" token cannot register a second node for the
+        rest of its TTL. Only the agent the token was issued to may report it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JoinServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -67,6 +82,11 @@ def add_JoinServicer_to_server(servicer, server):
                     servicer.RequestJoin,
                     request_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinRequest.FromString,
                     response_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinResponse.SerializeToString,
+            ),
+            'ReportJoined': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportJoined,
+                    request_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedRequest.FromString,
+                    response_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -101,6 +121,33 @@ class Join:
             '/nodetrust.join.v1.Join/RequestJoin',
             nodetrust_dot_join_dot_v1_dot_join__pb2.JoinRequest.SerializeToString,
             nodetrust_dot_join_dot_v1_dot_join__pb2.JoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportJoined(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodetrust.join.v1.Join/ReportJoined',
+            nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedRequest.SerializeToString,
+            nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,12 @@ class JoinStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> JoinAsyncStub: ...
     RequestJoin: _grpc.UnaryUnaryMultiCallable[_join_pb2.JoinRequest, _join_pb2.JoinResponse]
+    ReportJoined: _grpc.UnaryUnaryMultiCallable[_join_pb2.JoinedRequest, _join_pb2.JoinedResponse]
+    """The agent reports that `kubeadm join` succeeded with the token it was
+    given. The broker revokes that token at once (deletes it from the
+    backend), so a "one-time" token cannot register a second node for the
+    rest of its TTL. Only the agent the token was issued to may report it.
+    """
 
 @_typing.type_check_only
 class JoinAsyncStub(JoinStub):
@@ -49,6 +55,12 @@ class JoinAsyncStub(JoinStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     RequestJoin: _aio.UnaryUnaryMultiCallable[_join_pb2.JoinRequest, _join_pb2.JoinResponse]  # type: ignore[assignment]
+    ReportJoined: _aio.UnaryUnaryMultiCallable[_join_pb2.JoinedRequest, _join_pb2.JoinedResponse]  # type: ignore[assignment]
+    """The agent reports that `kubeadm join` succeeded with the token it was
+    given. The broker revokes that token at once (deletes it from the
+    backend), so a "one-time" token cannot register a second node for the
+    rest of its TTL. Only the agent the token was issued to may report it.
+    """
 
 class JoinServicer(metaclass=_abc_1.ABCMeta):
     """The join-credential broker. Served over mutual TLS: the client presents the
@@ -63,5 +75,17 @@ class JoinServicer(metaclass=_abc_1.ABCMeta):
         request: _join_pb2.JoinRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_join_pb2.JoinResponse, _abc.Awaitable[_join_pb2.JoinResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReportJoined(
+        self,
+        request: _join_pb2.JoinedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_join_pb2.JoinedResponse, _abc.Awaitable[_join_pb2.JoinedResponse]]:
+        """The agent reports that `kubeadm join` succeeded with the token it was
+        given. The broker revokes that token at once (deletes it from the
+        backend), so a "one-time" token cannot register a second node for the
+        rest of its TTL. Only the agent the token was issued to may report it.
+        """
 
 def add_JoinServicer_to_server(servicer: JoinServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
