@@ -3,7 +3,7 @@
 Public API (also importable from :mod:`server.ek_trust`): :class:`EkTrust`,
 :class:`EkTrustConfig`, :class:`EkVerdict`, :class:`SkippedFile`.
 
-Modules: ``der`` (DER reader), ``keys`` (public keys, signatures), ``certificate``
+Modules: (the DER reader is :mod:`protocol.der`), ``keys`` (public keys, signatures), ``certificate``
 (lenient X.509 parser), ``store`` (CA directory snapshot, chain building),
 ``cadir`` (reloading it), ``hashes`` (hash allowlist), ``profile`` (EK certificate
 profile), ``config`` (configuration), ``trust`` (the decision). Importing has no side effects.

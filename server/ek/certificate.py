@@ -5,7 +5,7 @@ python-cryptography refuses several real certificates (see docs/ek-trust.md,
 ``tbsCertificate`` bytes exactly as signed, and records every tolerated
 deviation as a quirk name in :attr:`Certificate.quirks`. Structural damage
 (truncation, wrong element types, duplicate extensions, malformed extensions
-that carry security meaning) still raises :class:`~server.ek.der.DerError`.
+that carry security meaning) still raises :class:`~protocol.der.DerError`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import hashlib
 from dataclasses import dataclass
 from datetime import datetime
 
-from server.ek import der
-from server.ek.der import DerError, Tlv
+from protocol import der
+from protocol.der import DerError, Tlv
 from server.ek.keys import PublicKeyInfo, SignatureAlgorithm, parse_signature_algorithm, parse_spki_tlv
 
 Q_TRAILING_DATA = "trailing_data"

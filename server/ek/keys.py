@@ -16,8 +16,8 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 
-from server.ek import der
-from server.ek.der import DerError, Tlv
+from protocol import der
+from protocol.der import DerError, Tlv
 
 RSA_ENCRYPTION = "1.2.840.113549.1.1.1"
 RSAES_OAEP = "1.2.840.113549.1.1.7"

@@ -14,7 +14,8 @@ Two tiers:
 
 from __future__ import annotations
 
-from server.ek import der
+from protocol import der
+from protocol.der import DerError
 from server.ek.certificate import (
     EXT_AIA,
     EXT_AKI,
@@ -30,7 +31,6 @@ from server.ek.certificate import (
     Q_NEGATIVE_SERIAL,
     Certificate,
 )
-from server.ek.der import DerError
 from server.ek.store import ChainPolicy, critical_unknown
 
 _MUST_NOT_BE_CRITICAL = {

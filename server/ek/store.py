@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from protocol.der import DerError
 from server.ek.certificate import (
     EXT_AIA,
     EXT_AKI,
@@ -44,7 +45,6 @@ from server.ek.certificate import (
     NameKey,
     parse_certificate,
 )
-from server.ek.der import DerError
 from server.ek.keys import SignatureCheckError, verify_signature
 
 log = logging.getLogger(__name__)

@@ -33,11 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+from protocol.der import DerError
 from protocol.tpm_payload import EkData
 from server.ek.cadir import CaDirectory
 from server.ek.certificate import Certificate, parse_certificate
 from server.ek.config import EkTrustConfig, validate
-from server.ek.der import DerError
 from server.ek.hashes import HashAllowlist
 from server.ek.keys import parse_spki
 from server.ek.profile import security_problem, tcg_profile_issues

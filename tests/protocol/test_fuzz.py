@@ -34,6 +34,8 @@ PARSERS = [
     tpm2.parse_attest,
     tpm2.parse_signature,
     der.certificate_spki,
+    der.first_element,
+    der.spki_key_material,
 ]
 DECODERS = [decode_attestation_data, decode_challenge, decode_challenge_response, decode_ek]
 

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.x509.oid import NameOID
 
-from server.ek import der
+from protocol import der
 
 UTC = dt.UTC
 NOW = dt.datetime(2026, 6, 1, 12, 0, tzinfo=UTC)

@@ -13,10 +13,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protocol import der
+from protocol.der import DerError
 from protocol.tpm_payload import EkData
-from server.ek import der
 from server.ek.certificate import Certificate, parse_certificate, parse_name
-from server.ek.der import DerError
 from server.ek.keys import parse_spki
 from server.ek.store import CaStore, ChainPolicy
 from server.ek_trust import EkTrust
