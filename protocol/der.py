@@ -242,6 +242,8 @@ def parse_time(tlv: Tlv, quirks: set[str]) -> datetime:
         if len(body) != 14 or not body.isdigit() or not body.isascii():
             raise DerError(f"malformed GeneralizedTime {text!r}")
         year = int(body[:4])
+        if 1950 <= year < 2050:  # RFC 5280 4.1.2.5: these years are UTCTime (AMD's fTPM CAs break it)
+            quirks.add(Q_TIME_FORMAT)
         rest = body[4:]
     else:
         raise DerError(

@@ -4,7 +4,8 @@ Two tiers:
 
 * :func:`security_problem`: always enforced. The EK certificate must not be a
   CA, its keyUsage (when present) must allow the EK's real use (keyEncipherment
-  for RSA, keyAgreement for ECC), and it must not carry a critical extension we
+  for RSA; keyAgreement or keyEncipherment for ECC, as real Intel PTT ECC EK
+  certificates say keyEncipherment only), and it must not carry a critical extension we
   do not understand. The critical TCG DirectoryName SAN is understood.
 * :func:`tcg_profile_issues`: the rest of the TCG EK Credential Profile as
   go-attestation's ``ToEKCertificate`` (spire-tpm-plugin v1.10) enforces it.
@@ -33,6 +34,11 @@ from server.ek.certificate import (
 )
 from server.ek.store import ChainPolicy, critical_unknown
 
+# An ECC EK decrypts credentials by key agreement (ECDH). The TCG EK profile asks for keyAgreement;
+# Intel PTT (and other firmware TPMs) mark their ECC EK certificates keyEncipherment only. Both say
+# "this key receives secrets"; a signing-only keyUsage (digitalSignature, keyCertSign) is refused.
+ECC_EK_KEY_USAGES = frozenset({KU_KEY_AGREEMENT, KU_KEY_ENCIPHERMENT})
+
 _MUST_NOT_BE_CRITICAL = {
     EXT_AKI: "authorityKeyIdentifier",
     EXT_AIA: "authorityInfoAccess",
@@ -49,8 +55,11 @@ def security_problem(cert: Certificate, policy: ChainPolicy) -> str | None:
     if cert.key_usage is not None:
         if cert.public_key.kind == "rsa" and KU_KEY_ENCIPHERMENT not in cert.key_usage:
             return "the EK certificate's keyUsage does not allow keyEncipherment, which an RSA EK needs"
-        if cert.public_key.kind == "ec" and KU_KEY_AGREEMENT not in cert.key_usage:
-            return "the EK certificate's keyUsage does not allow keyAgreement, which an ECC EK needs"
+        if cert.public_key.kind == "ec" and not cert.key_usage & ECC_EK_KEY_USAGES:
+            return (
+                "the EK certificate's keyUsage allows neither keyAgreement nor keyEncipherment, "
+                "one of which an ECC EK needs"
+            )
     unknown = critical_unknown(cert, policy)
     if unknown:
         return (

@@ -195,11 +195,16 @@ def test_ek_profile_security_checks(
     assert reason in verdict.reason
 
 
-def test_ecc_ek_needs_key_agreement(keys: Keys, verify: Callable[..., EkVerdict]) -> None:
+def test_ecc_ek_key_usage_follows_real_certificates(keys: Keys, verify: Callable[..., EkVerdict]) -> None:
+    """The TCG profile says keyAgreement; Intel PTT ECC EK certificates say keyEncipherment only."""
     root = make_ca("Root", keys("p384-root"))
-    verdict = verify(make_ek(root, keys("p256-ek"), key_usage="encipherment"), [root])
-    assert verdict.reason_code == "ek_cert_profile" and "keyAgreement" in verdict.reason
+    assert verify(make_ek(root, keys("p256-ek"), key_usage="agreement"), [root]).trusted  # TCG profile
+    intel_ptt = verify(make_ek(root, keys("p256-ek"), key_usage="encipherment"), [root])
+    assert intel_ptt.trusted, intel_ptt.reason
     assert verify(make_ek(root, keys("p256-ek"), key_usage=None), [root]).trusted  # absent keyUsage: allowed
+    signing = verify(make_ek(root, keys("p256-ek"), key_usage="signature"), [root])
+    assert (signing.trusted, signing.reason_code) == (False, "ek_cert_profile")
+    assert "neither keyAgreement nor keyEncipherment" in signing.reason
 
 
 def test_ignored_critical_extension(keys: Keys, verify: Callable[..., EkVerdict]) -> None:

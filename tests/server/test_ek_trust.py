@@ -23,6 +23,8 @@ from cryptography.hazmat.primitives import serialization
 
 from protocol.tpm_payload import EkData, decode_ek, pub_hash
 from server.ek.certificate import parse_certificate
+from server.ek.profile import security_problem, tcg_profile_issues
+from server.ek.store import ChainPolicy
 from server.ek_trust import EkNotTrustedError, EkTrust, EkTrustConfig
 from server.errors import AttestationDeniedError
 from tests.conftest import TPM_DATA
@@ -76,6 +78,32 @@ def test_real_ek_chains_to_its_manufacturer(real: RealEk, real_trust: EkTrust, t
     expected = [subject_of(tpm_data / "manufacturer-ca" / name) for name in real.chain]
     assert list(verdict.chain[1:]) == expected
     assert verdict.ek_hash == pub_hash(parse_certificate(cert_der).public_key.der)
+
+
+# Google's CAS-issued ("pca") EK certificates name the instance in the subject instead of a TCG SAN.
+_GOOGLE_CAS_DEVIATIONS = (
+    "subjectAltName (TPM manufacturer/model/version) is missing",
+    "authorityKeyIdentifier (with a key identifier) is missing",
+)
+
+
+@pytest.mark.parametrize("real", REAL_EKS, ids=str)
+def test_real_ek_passes_the_profile_rules(real: RealEk, tpm_data: Path) -> None:
+    """Real vendor certificates are the ground truth for the profile rules (issue 11, Intel PTT ECC)."""
+    cert = parse_certificate(read_cert_der(tpm_data / "ek-certs" / real.file))
+    assert security_problem(cert, ChainPolicy()) is None
+    issues = tcg_profile_issues(cert)
+    if real.file.startswith("google-gce-vtpm-") and real.file.endswith("-pca.pem"):
+        assert set(issues) <= set(_GOOGLE_CAS_DEVIATIONS) and issues, issues
+    else:
+        assert issues == ()
+
+
+def test_the_nuvoton_ek_passes_the_profile_rules() -> None:
+    nuvoton = nuvoton_ek()
+    assert nuvoton.certificate_der is not None
+    cert = parse_certificate(nuvoton.certificate_der)
+    assert security_problem(cert, ChainPolicy()) is None and tcg_profile_issues(cert) == ()
 
 
 @pytest.mark.parametrize("real", REAL_EKS, ids=str)
