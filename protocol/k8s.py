@@ -16,7 +16,8 @@ from typing import Any
 from protocol.errors import PolicyError
 
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+# Always used with fullmatch: ``re.match`` with ``$`` would accept a trailing newline ("node-b\n").
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _NAME_PART = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 
 
@@ -29,7 +30,7 @@ def node_name_problem(name: str) -> str | None:
     if name != name.lower():
         return "it has upper-case letters"
     for label in name.split("."):
-        if not _DNS_LABEL.match(label):
+        if not _DNS_LABEL.fullmatch(label):
             return (
                 f"label {label!r} is not an RFC 1123 label (a-z, 0-9, '-', at most 63, no '-' at the ends)"
             )

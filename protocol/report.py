@@ -18,9 +18,11 @@ Public API (the server depends on these names and signatures):
 * ``Report(schema_version, agent_version, hostname, pool, collected_at, duration_ms, checks, verdict)``.
 * ``canonical_json(report) -> bytes``: sorted keys, no whitespace, UTF-8, no floats; the same
   report always gives the same bytes.
-* ``parse_report(data: bytes) -> Report``: strict; raises :class:`ReportError` on anything
-  malformed (unknown or missing keys, wrong types, floats, duplicate keys, oversize input) and on
-  an unknown schema version.
+* ``parse_report(data: bytes) -> Report``: strict; raises :class:`ReportError`, and nothing else,
+  for any input that is not a valid report: unknown or missing keys, wrong types, floats, NaN and
+  Infinity, duplicate keys, integers outside 64 bits (or of more than 4,300 digits), nesting deeper
+  than :data:`MAX_DEPTH`, strings that are not valid Unicode, input that is not UTF-8 or larger than
+  :data:`MAX_REPORT_BYTES` (checked before anything is parsed), and an unknown schema version.
 
 Observation values are JSON without floats (``None``, ``bool``, ``int``, ``str``, lists and
 string-keyed objects), so the canonical form is the same in every language.
@@ -42,14 +44,17 @@ REPORT_SCHEMA_VERSION = 1
 JsonValue: TypeAlias = "bool | int | str | list[JsonValue] | dict[str, JsonValue] | None"
 Observations: TypeAlias = "Mapping[str, JsonValue]"
 
-MAX_REPORT_BYTES = 4 * 1024 * 1024
+# The report of a healthy 8-GPU HGX H200 node is about 32 KB (tests/gpu fixtures); a failing one adds
+# reasons. The limit is checked on the raw bytes, before any decoding.
+MAX_REPORT_BYTES = 256 * 1024
 MAX_CHECKS = 256
 MAX_STRING = 16 * 1024
 MAX_DEPTH = 10
 _INT_LIMIT = 2**63
 
-CHECK_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*(\.[a-z0-9_]+)+$")
-_TIMESTAMP_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
+# Used with fullmatch (``$`` would accept a trailing newline, ``\d`` any Unicode digit).
+CHECK_NAME_RE = re.compile(r"[a-z][a-z0-9_]*(\.[a-z0-9_]+)+")
+_TIMESTAMP_RE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}Z")
 
 
 class Status(StrEnum):
@@ -167,8 +172,8 @@ def _plain(value: Any, where: str, depth: int) -> JsonValue:
     if depth > MAX_DEPTH:
         raise ReportError(f"{where}: nested deeper than {MAX_DEPTH} levels")
     if value is None or isinstance(value, bool | str):
-        if isinstance(value, str) and len(value) > MAX_STRING:
-            raise ReportError(f"{where}: string longer than {MAX_STRING} characters")
+        if isinstance(value, str):
+            _check_text(value, where)
         return value
     if isinstance(value, int):
         if not -_INT_LIMIT < value < _INT_LIMIT:
@@ -179,7 +184,8 @@ def _plain(value: Any, where: str, depth: int) -> JsonValue:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise ReportError(f"{where}: object key {k!r} is not a string")
-            out[k] = _plain(v, f"{where}.{k}", depth + 1)
+            _check_text(k, f"{where}: object key")
+            out[k] = _plain(v, f"{where}.{_shown(k)}", depth + 1)
         return out
     if isinstance(value, Sequence):
         return [_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)]
@@ -193,6 +199,13 @@ def _plain(value: Any, where: str, depth: int) -> JsonValue:
 
 def _no_float(text: str) -> Any:
     raise ReportError(f"floating-point number {text} is not allowed in a report")
+
+
+def _bounded_int(text: str) -> int:
+    """A JSON integer, refused before conversion when it cannot fit in 64 bits (19 digits at most)."""
+    if len(text.lstrip("-")) > 19:
+        raise ReportError(f"integer of {len(text.lstrip('-'))} digits is out of the 64-bit range")
+    return int(text)
 
 
 def _no_constant(text: str) -> Any:
@@ -228,11 +241,25 @@ def _kind(value: Any) -> str:
     )
 
 
+def _check_text(value: str, where: str) -> None:
+    """A string a report may carry: bounded, and valid Unicode (a lone surrogate cannot be UTF-8)."""
+    if len(value) > MAX_STRING:
+        raise ReportError(f"{where}: string longer than {MAX_STRING} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ReportError(f"{where}: string holds a lone surrogate (not valid Unicode)") from None
+
+
+def _shown(key: str) -> str:
+    """An object key as it may appear in an error message: short, printable."""
+    return key[:40] + "..." if len(key) > 40 else key
+
+
 def _str(value: Any, where: str, *, nonempty: bool = False) -> str:
     if not isinstance(value, str):
         raise ReportError(f"{where}: expected a string, got {_kind(value)}")
-    if len(value) > MAX_STRING:
-        raise ReportError(f"{where}: longer than {MAX_STRING} characters")
+    _check_text(value, where)
     if nonempty and not value:
         raise ReportError(f"{where}: must not be empty")
     return value
@@ -270,7 +297,7 @@ def _findings(value: Any, where: str) -> tuple[Finding, ...]:
 def _check(value: Any, where: str) -> Check:
     obj = _obj(value, where, {"name", "status", "observed", "expected", "source", "reason", "observations"})
     name = _str(obj["name"], f"{where}.name")
-    if not CHECK_NAME_RE.match(name):
+    if not CHECK_NAME_RE.fullmatch(name):
         raise ReportError(f"{where}.name: {name!r} is not a check name (dotted lowercase words)")
     status_text = _str(obj["status"], f"{where}.status")
     try:
@@ -321,7 +348,7 @@ def report_from_json(value: Any) -> Report:
         },
     )
     collected_at = _str(obj["collected_at"], "collected_at")
-    if not _TIMESTAMP_RE.match(collected_at):
+    if not _TIMESTAMP_RE.fullmatch(collected_at):
         raise ReportError(
             f"collected_at: {collected_at!r} is not an RFC 3339 UTC time like 2026-01-31T12:00:00Z"
         )
@@ -365,10 +392,21 @@ def parse_report(data: bytes) -> Report:
         raise ReportError(f"report is not UTF-8: {exc}") from exc
     try:
         value = json.loads(
-            text, parse_float=_no_float, parse_constant=_no_constant, object_pairs_hook=_no_duplicates
+            text,
+            parse_float=_no_float,
+            parse_int=_bounded_int,
+            parse_constant=_no_constant,
+            object_pairs_hook=_no_duplicates,
         )
+    except ReportError:
+        raise
     except RecursionError:
-        raise ReportError("report is nested too deeply") from None
+        raise ReportError(f"report is nested too deeply (at most {MAX_DEPTH} levels)") from None
     except json.JSONDecodeError as exc:
-        raise ReportError(f"report is not JSON: {exc}") from exc
-    return report_from_json(value)
+        raise ReportError(f"report is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except ValueError as exc:  # e.g. Python's limit on the digits of an integer
+        raise ReportError(f"report is not JSON this parser accepts: {exc}") from None
+    try:
+        return report_from_json(value)
+    except RecursionError:
+        raise ReportError(f"report is nested too deeply (at most {MAX_DEPTH} levels)") from None
