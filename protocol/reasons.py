@@ -71,6 +71,12 @@ REASONS: dict[str, Reason] = {
         _r("internal", F.INTERNAL, "an unexpected server error"),
         _r("unimplemented", F.REQUEST, "the method is not served by nodeserver"),
         _r("cancelled", F.CANCELLED, "the client cancelled the request"),
+        _r("invalid_argument", F.REQUEST, "the request is invalid"),
+        _r("not_found", F.REQUEST, "what the request names does not exist here"),
+        _r("denied", F.EVIDENCE, "the evidence is well-formed but not acceptable"),
+        _r("integrity", F.SERVER, "the store refused a write"),
+        _r("token_id_taken", F.SERVER, "a bootstrap token id collided with a recorded one"),
+        _r("config", F.INTERNAL, "the server's configuration is invalid"),
         # -- AttestAgent --------------------------------------------------------------------
         _r("malformed_params", F.REQUEST, "the first message lacks params, attestation data or a CSR"),
         _r("stream_ended", F.REQUEST, "the client closed its side before the protocol was complete"),

@@ -30,7 +30,11 @@ from protocol.credential import Credential
 from protocol.errors import PayloadError
 
 ATTESTOR_TYPE = "tpm"
-_PEM_RE = re.compile(rb"-----BEGIN ([A-Z0-9 ]+)-----\r?\n(.*?)\r?\n?-----END ([A-Z0-9 ]+)-----", re.DOTALL)
+_PEM_LABEL_RE = re.compile(rb"[A-Z0-9 ]{1,64}")
+# An EK PEM is a certificate (a few KB) and a public key; a challenge and its answer are smaller.
+MAX_EK_PEM_BYTES = 32 * 1024
+MAX_JSON_BYTES = 256 * 1024
+_MAX_PEM_BLOCKS = 2
 
 EkPublicKey = rsa.RSAPublicKey | ec.EllipticCurvePublicKey
 
@@ -113,26 +117,60 @@ def encode_ek(ek: EkData) -> bytes:
     return out + _pem("PUBLIC KEY", ek.public_key_der)
 
 
+def _pem_blocks(pem: bytes) -> list[tuple[str, bytes]]:
+    """(label, base64 body) of each PEM block, in one pass over the lines (linear time).
+
+    Text outside blocks is ignored, as PEM readers do. A BEGIN line inside a block, an END
+    line that does not match its BEGIN, or a block never ended is malformed.
+    """
+    blocks: list[tuple[str, bytes]] = []
+    label: bytes | None = None
+    body: list[bytes] = []
+    for raw_line in pem.split(b"\n"):
+        line = raw_line.rstrip(b"\r").strip(b" \t")
+        if line.startswith(b"-----BEGIN ") and line.endswith(b"-----"):
+            if label is not None:
+                raise PayloadError("EK: a PEM BEGIN line inside another block")
+            candidate = line[len(b"-----BEGIN ") : -5]
+            if not _PEM_LABEL_RE.fullmatch(candidate):
+                raise PayloadError("EK: a PEM block with a malformed label")
+            if len(blocks) >= _MAX_PEM_BLOCKS:
+                raise PayloadError(
+                    f"EK: more than {_MAX_PEM_BLOCKS} PEM blocks; expected a PUBLIC KEY and at most one CERTIFICATE"
+                )
+            label, body = candidate, []
+        elif line.startswith(b"-----END ") and line.endswith(b"-----"):
+            end = line[len(b"-----END ") : -5]
+            if label is None:
+                raise PayloadError("EK: a PEM END line outside a block")
+            if end != label:
+                raise PayloadError(
+                    f"EK: PEM block BEGIN {label.decode()} ends with END {end[:64].decode('ascii', 'replace')}"
+                )
+            blocks.append((label.decode(), b"".join(body)))
+            label = None
+        elif label is not None:
+            body.append(line)
+    if label is not None:
+        raise PayloadError(f"EK: PEM block {label.decode()} has no END line")
+    return blocks
+
+
 def decode_ek(pem: bytes) -> EkData:
     """Parse the EK PEM: one PUBLIC KEY block and at most one CERTIFICATE block, in either order."""
-    blocks = list(_PEM_RE.finditer(pem))
+    if len(pem) > MAX_EK_PEM_BYTES:
+        raise PayloadError(f"EK: {len(pem)} bytes of PEM exceeds the limit of {MAX_EK_PEM_BYTES}")
+    blocks = _pem_blocks(pem)
     if not blocks:
         raise PayloadError("EK: no PEM block found")
-    if len(blocks) > 2:
-        raise PayloadError(
-            f"EK: {len(blocks)} PEM blocks; expected a PUBLIC KEY and at most one CERTIFICATE"
-        )
     found: dict[str, bytes] = {}
-    for match in blocks:
-        kind, end_kind = match.group(1).decode(), match.group(3).decode()
-        if kind != end_kind:
-            raise PayloadError(f"EK: PEM block BEGIN {kind} ends with END {end_kind}")
+    for kind, body in blocks:
         if kind not in ("CERTIFICATE", "PUBLIC KEY"):
             raise PayloadError(f"EK: unexpected PEM block type {kind!r}")
         if kind in found:
             raise PayloadError(f"EK: two {kind} blocks")
         try:
-            found[kind] = base64.b64decode(b"".join(match.group(2).split()), validate=True)
+            found[kind] = base64.b64decode(b"".join(body.split()), validate=True)
         except binascii.Error as exc:
             raise PayloadError(f"EK: {kind} block is not valid base64") from exc
     if "PUBLIC KEY" not in found:
@@ -162,13 +200,21 @@ def encode_attestation_data(data: AttestationData) -> bytes:
 
 
 def _load_object(raw: bytes, what: str) -> dict[str, Any]:
+    if len(raw) > MAX_JSON_BYTES:
+        raise PayloadError(f"{what}: {len(raw)} bytes exceeds the limit of {MAX_JSON_BYTES}")
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise PayloadError(f"{what}: not valid JSON ({exc})") from exc
+        doc = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, RecursionError) as exc:
+        raise PayloadError(f"{what}: not valid JSON ({type(exc).__name__})") from exc
+    except ValueError as exc:  # JSONDecodeError, and int() refusing more than 4300 digits
+        raise PayloadError(f"{what}: not valid JSON ({str(exc)[:120]})") from exc
     if not isinstance(doc, dict):
         raise PayloadError(f"{what}: expected a JSON object, got {type(doc).__name__}")
     return doc
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _field(doc: dict[str, Any], key: str, what: str) -> Any:

@@ -17,14 +17,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from protocol._gen.spire.api.server.agent.v1 import agent_pb2_grpc
+from protocol._gen.spire.api.server.agent.v1 import agent_pb2
 from protocol._gen.spire.api.server.bundle.v1 import bundle_pb2_grpc
 from server.attest_service import AgentService
 from server.audit import AuditLog
+from server.boundary import Boundary, register
 from server.bundle_service import BundleService
 from server.ca import CertificateAuthority, ServerSvid
 from server.config import ServerConfig
 from server.errors import ConfigError
+from server.health import HealthServer
+from server.limits import PeerLimits, connection_cap, raise_open_file_limit
 from server.metrics import Metrics
 from server.store import Store
 from server.tpm_attestor import EkTrustLike, TpmNodeAttestor
@@ -32,20 +35,34 @@ from server.tpm_attestor import EkTrustLike, TpmNodeAttestor
 log = logging.getLogger(__name__)
 
 AGENT_SERVICE = "spire.api.server.agent.v1.Agent"
+# What one request message may be: the boundary refuses, with an audit line, anything larger
+# (a tpm payload is a few KB; max_payload_bytes bounds it further). gRPC core refuses, without
+# reading it into Python, anything over TRANSPORT_MAX_MESSAGE_BYTES.
 MAX_MESSAGE_BYTES = 1024 * 1024
+TRANSPORT_MAX_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES
 MAX_CONCURRENT_RPCS = 4096
 
 
-def grpc_options() -> list[tuple[str, Any]]:
+def grpc_options(
+    *, max_connections: int = 0, max_streams_per_connection: int = 16, handshake_timeout_s: float = 10.0
+) -> list[tuple[str, Any]]:
     """The channel arguments of every gRPC server we run (bench/attest.py measures with these too)."""
-    return [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", TRANSPORT_MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.so_reuseport", 0),
         ("grpc.enable_channelz", 0),
         # Shed connections that carry no RPC for a minute (an agent makes one or two calls).
         ("grpc.max_connection_idle_ms", 60_000),
+        # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: one connection cannot hold the server's RPC slots.
+        ("grpc.max_concurrent_streams", max_streams_per_connection),
+        # A connection that has not finished its TLS handshake by then is closed.
+        ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),
     ]
+    if max_connections > 0:
+        # Checked before the handshake: silent connections cannot exhaust the file descriptors.
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
+    return options
 
 
 def server_credentials(svid: ServerSvid, *, client_ca: bytes | None = None) -> grpc.ServerCredentials:
@@ -115,6 +132,8 @@ class ServerApp:
         self.join_service: Any = None
         self.audit: AuditLog | None = None
         self.metrics = Metrics.create()
+        self._started = False
+        self.max_connections = 0
 
     async def start(self) -> None:
         cfg = self.config
@@ -124,21 +143,41 @@ class ServerApp:
             self.ek_trust = open_ek_trust(cfg)
         if self.store is None:
             self.store = open_store_for(cfg)
-        self.audit = AuditLog(cfg.audit_path)
+        self.audit = AuditLog(
+            cfg.audit_path,
+            max_bytes=cfg.audit_max_bytes,
+            backups=cfg.audit_backups,
+            min_free_bytes=cfg.min_free_bytes,
+        )
+        open_files = raise_open_file_limit()
+        self.max_connections = connection_cap(cfg.max_connections, open_files)
+        self.limits = PeerLimits(
+            max_inflight=cfg.peer_max_inflight,
+            rate_per_s=cfg.attest_rate_per_ip,
+            burst=cfg.attest_burst_per_ip,
+        )
+        self.boundary = Boundary(
+            audit=self.audit, metrics=self.metrics, limits=self.limits, max_message_bytes=MAX_MESSAGE_BYTES
+        )
         agent_service = AgentService(
             ca=self.ca,
             store=self.store,
-            audit=self.audit,
-            metrics=self.metrics,
             attestors={"tpm": TpmNodeAttestor(cfg.trust_domain, self.ek_trust)},
             svid_ttl=cfg.agent_svid_ttl,
             challenge_timeout=cfg.challenge_timeout.total_seconds(),
+            first_message_timeout=cfg.first_message_timeout.total_seconds(),
             max_payload_bytes=cfg.max_payload_bytes,
             executor=self._executor,
         )
-        options = grpc_options()
+        options = grpc_options(
+            max_connections=self.max_connections,
+            max_streams_per_connection=cfg.max_streams_per_connection,
+            handshake_timeout_s=cfg.handshake_timeout.total_seconds(),
+        )
         server = grpc.aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
-        agent_pb2_grpc.add_AgentServicer_to_server(agent_service, server)
+        register(
+            server, self.boundary, agent_pb2.DESCRIPTOR.services_by_name["Agent"], agent_service.methods()
+        )
         bundle_pb2_grpc.add_BundleServicer_to_server(BundleService(self.ca), server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
@@ -151,20 +190,43 @@ class ServerApp:
         self._servers.append(server)
         await health.set("", health_pb2.HealthCheckResponse.SERVING)
         await health.set(AGENT_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self._start_join(svid, options)
         if cfg.metrics_listen is not None:
             mhost, mport = cfg.metrics_listen
             try:
-                self._metrics_server = self.metrics.serve(mhost, mport)
+                self._metrics_server = HealthServer.start(mhost, mport, self.metrics.registry, self.ready)
             except OSError as exc:
                 raise ConfigError(f"metrics_listen: cannot bind {mhost}:{mport}: {exc.strerror}") from exc
-            self.ports.metrics = self._metrics_server.server_port
-        await self._start_join(svid, options)
+            self.ports.metrics = self._metrics_server.port
         self._tasks.append(asyncio.create_task(self._refresh_gauges()))
-        log.info("nodeserver for %s listening on %s:%d", cfg.trust_domain, host, self.ports.attest)
+        self._started = True
+        log.info(
+            "nodeserver for %s listening on %s:%d (at most %d connections, %d streams each, %d requests in "
+            "flight per address)",
+            cfg.trust_domain,
+            host,
+            self.ports.attest,
+            self.max_connections,
+            cfg.max_streams_per_connection,
+            cfg.peer_max_inflight,
+        )
+
+    def ready(self) -> tuple[bool, str]:
+        """Readiness for /ready: serving, the store answers, the audit log can be written."""
+        if not self._started or not self._servers:
+            return False, "starting"
+        if self.audit is None or not self.audit.healthy():
+            return False, "the audit log cannot be written (disk nearly full)"
+        try:
+            if self.store is not None:
+                self.store.count_agents()
+        except Exception as exc:
+            return False, f"the store does not answer: {type(exc).__name__}"
+        return True, "ready"
 
     async def _start_join(self, svid: ServerSvid, options: list[tuple[str, Any]]) -> None:
         """Serve the Join API (mutual TLS with agent SVIDs) when pools are configured."""
-        from protocol._gen.nodetrust.join.v1 import join_pb2_grpc
+        from protocol._gen.nodetrust.join.v1 import join_pb2
         from server.join_service import JoinService
         from server.pools import join_settings
         from server.tokens.backend import open_backend
@@ -186,12 +248,12 @@ class ServerApp:
             settings=settings,
             store=self.store,
             backend=backend,
-            audit=self.audit,
-            metrics=self.metrics,
             executor=self._executor,
         )
-        server = grpc.aio.server(options=options)
-        join_pb2_grpc.add_JoinServicer_to_server(self.join_service, server)
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+        register(
+            server, self.boundary, join_pb2.DESCRIPTOR.services_by_name["Join"], self.join_service.methods()
+        )
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         host, port = cfg.join_listen
@@ -215,11 +277,11 @@ class ServerApp:
             if self.join_service is None:
                 return
             try:
-                swept = await loop.run_in_executor(self._executor, self.join_service.sweep_expired)
+                swept = await loop.run_in_executor(self._executor, self.join_service.sweep)
                 if swept:
-                    log.info("removed %d expired bootstrap token(s)", swept)
+                    log.info("removed %d revoked or expired bootstrap token(s)", swept)
             except Exception:
-                log.warning("could not sweep expired bootstrap tokens", exc_info=True)
+                log.warning("could not sweep bootstrap tokens", exc_info=True)
 
     async def _refresh_gauges(self) -> None:
         loop = asyncio.get_running_loop()
@@ -229,6 +291,7 @@ class ServerApp:
                     return
                 count = await loop.run_in_executor(self._executor, self.store.count_agents)
                 self.metrics.agents_known.set(count)
+                self.metrics.peers_inflight.set(self.limits.tracked()[0])
             except Exception:
                 log.warning("could not refresh the agents gauge", exc_info=True)
             await asyncio.sleep(5)
@@ -243,8 +306,7 @@ class ServerApp:
             await server.stop(grace)
         self._servers.clear()
         if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
+            self._metrics_server.stop()
             self._metrics_server = None
         if self.audit is not None:
             self.audit.close()

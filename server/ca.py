@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,46 @@ class IssuedSvid:
     expires_at: int  # Unix seconds
 
 
+def prepare_data_dir(data_dir: Path) -> None:
+    """Create ``data_dir`` 0700, or check the one that is there; never change a folder we did not make.
+
+    An existing folder that other users can write to is refused (they could swap the CA key or the
+    store); one they can only read is used with a warning (the secrets in it are 0600 themselves).
+    """
+    if not data_dir.exists():
+        try:
+            data_dir.parent.mkdir(parents=True, exist_ok=True)
+            data_dir.mkdir(mode=0o700)
+            os.chmod(data_dir, 0o700)  # exactly 0700 whatever the umask: we created it
+        except FileExistsError:
+            pass  # created meanwhile by another process: checked below like any existing folder
+        except OSError as exc:
+            raise ConfigError(f"data_dir {data_dir}: cannot create it ({exc.strerror})") from exc
+        else:
+            return
+    try:
+        st = os.stat(data_dir)
+    except OSError as exc:
+        raise ConfigError(f"data_dir {data_dir}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"data_dir {data_dir} exists and is not a folder")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"data_dir {data_dir} belongs to uid {st.st_uid}, not to this nodeserver (uid {os.geteuid()}); "
+            "give it a folder of its own (mkdir -m 700)"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise ConfigError(
+            f"data_dir {data_dir} is writable by other users (mode {mode:04o}); nodeserver does not change "
+            f"folders it did not create: run `chmod go-w {data_dir}` or point data_dir at a private folder"
+        )
+    if mode & 0o044:
+        log.warning(
+            "data_dir %s is readable by other users (mode %04o); 0700 is recommended", data_dir, mode
+        )
+
+
 class CertificateAuthority:
     """The trust domain's CA (ECDSA P-256) with its server SVID."""
 
@@ -81,8 +122,7 @@ class CertificateAuthority:
     def load_or_create(
         cls, data_dir: Path, trust_domain: str, *, ca_ttl: dt.timedelta
     ) -> CertificateAuthority:
-        data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(data_dir, 0o700)
+        prepare_data_dir(data_dir)
         key_path, cert_path = data_dir / CA_KEY, data_dir / CA_CERT
         if key_path.exists() and cert_path.exists():
             key = _load_key(key_path)

@@ -1,8 +1,11 @@
-"""The server's error hierarchy, mapped once to gRPC status codes at the boundary.
+"""The server's error hierarchy, mapped once to gRPC status codes at the boundary (server.boundary).
 
 Each class carries the gRPC status code name it maps to (``grpc_code``) and a
-``reason`` slug used in the audit log and the metrics. Messages go to the peer,
-so they never contain secrets.
+``reason`` slug (one of :data:`protocol.reasons.REASONS`) that travels to the
+client as a structured detail and is used in the audit log and the metrics.
+Messages go to the peer, so they never contain secrets nor server paths:
+``detail`` carries what only the server's log may see (an exception's text, a
+file name). ``retry_after_s`` becomes a ``google.rpc.RetryInfo`` for limits.
 """
 
 from __future__ import annotations
@@ -14,9 +17,18 @@ class ServerError(Exception):
     grpc_code = "INTERNAL"
     reason = "internal"
 
-    def __init__(self, message: str, *, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        reason: str | None = None,
+        detail: str = "",
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
+        self.detail = detail
+        self.retry_after_s = retry_after_s
         if reason is not None:
             self.reason = reason
 

@@ -1,14 +1,24 @@
-"""The join-credential broker: ``nodetrust.join.v1.Join/RequestJoin`` over mutual TLS.
+"""The join-credential broker: ``nodetrust.join.v1.Join`` over mutual TLS.
 
-The caller is identified only by the X509-SVID it presents (issued by our CA,
-unexpired: gRPC's TLS checks both), whose URI SAN must be a TPM agent ID of
-our trust domain that the store knows as attested and not banned. The server
-then checks the pool exists, the node name, the freshness and uniqueness of
-the request, parses the verification report and recomputes its verdict under
-the pool policy it holds (the agent's own statuses are ignored), and only then
-mints a one-time bootstrap token: created in the backend, recorded (as a hash)
-as the node's one live token under a per-node lock, replacing and deleting any
-previous one.
+``RequestJoin``: the caller is identified only by the X509-SVID it presents
+(issued by our CA, unexpired: gRPC's TLS checks both), whose URI SAN must be a
+TPM agent ID of our trust domain that the store knows as attested and not
+banned. The server then checks the pool exists, the node name, the freshness and
+uniqueness of the request, parses the verification report and recomputes its
+verdict under the pool policy it holds (the agent's own statuses are ignored),
+and only then mints a one-time bootstrap token: recorded (as a hash) as the
+node's one live token under a per-node lock, replacing and revoking any previous
+one, and only then created in the backend (so a token the server is killed
+while creating is still recorded, and swept when it expires).
+
+Limits per agent (docs/join.md, "Limits"): a repeated request for the same pool
+and node within ``token_reuse_window`` gets the same live token back (nothing new
+is minted or stored); at most ``joins_per_agent`` tokens per ``join_window``;
+the joins history is pruned after ``joins_retention``.
+
+``ReportJoined``: the agent says ``kubeadm join`` succeeded with its token; the
+broker revokes it at once (deletes it from the backend), so the "one-time" token
+cannot register another node for the rest of its TTL.
 
 The token never reaches a log or the audit trail: only its public id does.
 """
@@ -18,23 +28,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import grpc
 from cryptography import x509
 
-from protocol._gen.nodetrust.join.v1 import join_pb2, join_pb2_grpc
+from protocol._gen.nodetrust.join.v1 import join_pb2
 from protocol.errors import ProtocolError, SpiffeIdError
 from protocol.k8s import node_name_problem
 from protocol.policy import evaluate
 from protocol.report import parse_report
 from protocol.spiffe import SpiffeId, is_tpm_agent_id
-from server.attest_service import grpc_status
-from server.audit import AuditLog
+from server.boundary import Call, Context, Method
 from server.errors import (
     BannedError,
     InvalidRequestError,
@@ -47,16 +57,17 @@ from server.errors import (
     TokenConflictError,
     UnauthenticatedError,
 )
-from server.metrics import Metrics
 from server.pools import JoinSettings, Pool
 from server.store import JoinRecord, Store, TokenRecord
 from server.tokens.backend import TokenBackend
-from server.tokens.token import BootstrapToken, new_token
+from server.tokens.token import TOKEN_ID_RE, BootstrapToken, new_token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_REQUEST_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_REQUEST_ID_RE = re.compile(r"[0-9a-f]{32}")
 REQUEST_ID_MEMORY_S = 24 * 3600
+MAX_POOL_CHARS = 63
+MAX_REUSE_ENTRIES = 10_000
 
 
 class NotAttestedError(ServerError):
@@ -64,17 +75,12 @@ class NotAttestedError(ServerError):
     reason = "not_attested"
 
 
-@dataclass
-class _Attempt:
-    peer: str
-    started: float = field(default_factory=time.monotonic)
-    agent_id: str = ""
-    pool: str = ""
-    node_name: str = ""
-    fields: dict[str, Any] = field(default_factory=dict)
+class JoinRateLimitedError(ServerError):
+    grpc_code = "RESOURCE_EXHAUSTED"
+    reason = "join_rate_limited"
 
 
-def peer_spiffe_id(context: grpc.aio.ServicerContext[Any, Any], trust_domain: str) -> SpiffeId:
+def peer_spiffe_id(context: Context, trust_domain: str) -> SpiffeId:
     """The caller's SPIFFE ID from its (already chain-verified) client certificate."""
     auth = context.auth_context()
     pems = auth.get("x509_pem_cert") or []
@@ -97,7 +103,17 @@ def peer_spiffe_id(context: grpc.aio.ServicerContext[Any, Any], trust_domain: st
     return spiffe_id
 
 
-class JoinService(join_pb2_grpc.JoinServicer):
+@dataclass(frozen=True)
+class _Issued:
+    """A token handed out recently, kept in memory for the reuse window (never on disk)."""
+
+    token: BootstrapToken
+    pool: str
+    node_name: str
+    issued_mono: float
+
+
+class JoinService:
     def __init__(
         self,
         *,
@@ -105,64 +121,62 @@ class JoinService(join_pb2_grpc.JoinServicer):
         settings: JoinSettings,
         store: Store,
         backend: TokenBackend,
-        audit: AuditLog,
-        metrics: Metrics,
         executor: Executor | None = None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         self.trust_domain = trust_domain
         self.settings = settings
         self.store = store
         self.backend = backend
-        self.audit = audit
-        self.metrics = metrics
         self.executor = executor
         self.clock = clock
+        self.monotonic = monotonic
+        self._recent: OrderedDict[str, _Issued] = OrderedDict()
+        self._recent_lock = threading.Lock()
+
+    def methods(self) -> dict[str, Method]:
+        return {
+            "RequestJoin": Method("join", self.request_join),
+            "ReportJoined": Method("joined", self.report_joined),
+        }
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
-    async def RequestJoin(
-        self, request: join_pb2.JoinRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> join_pb2.JoinResponse:
-        attempt = _Attempt(peer=context.peer() or "", pool=request.pool, node_name=request.node_name)
-        try:
-            response = await self._join(request, context, attempt)
-            self._finish(attempt, "ok", None)
-            return response
-        except ServerError as err:
-            self._finish(attempt, "denied" if err.grpc_code == "PERMISSION_DENIED" else "error", err)
-            await context.abort(grpc_status(err), err.message)
-        except Exception:
-            log.exception("join request from %s failed unexpectedly", attempt.peer)
-            self._finish(attempt, "error", ServerError("internal error"))
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
-        raise AssertionError("unreachable")  # pragma: no cover - abort() raises
-
-    async def _join(
-        self, request: join_pb2.JoinRequest, context: grpc.aio.ServicerContext[Any, Any], attempt: _Attempt
-    ) -> join_pb2.JoinResponse:
+    async def _caller(self, context: Context, call: Call) -> str:
         agent_id = str(peer_spiffe_id(context, self.trust_domain))
-        attempt.agent_id = agent_id
+        call.set(spiffe_id=agent_id)
         try:
             record = await self._in_thread(self.store.get_agent, agent_id)
         except ServerError:
             raise
         except Exception as exc:
-            raise StoreError(f"could not read the agent record: {exc}") from exc
+            raise StoreError("could not read the agent record", detail=str(exc)) from exc
         if record is None or not record.attestation_type:
             raise NotAttestedError(f"{agent_id} has not attested to this server")
         if record.banned:
             raise BannedError(f"{agent_id} is banned")
+        return agent_id
+
+    # -- RequestJoin --------------------------------------------------------------
+    async def request_join(
+        self, request: join_pb2.JoinRequest, context: Context, call: Call
+    ) -> join_pb2.JoinResponse:
+        call.set(pool=request.pool, node_name=request.node_name)
+        agent_id = await self._caller(context, call)
         pool = self.settings.pools.get(request.pool)
         if pool is None:
+            known = ", ".join(sorted(self.settings.pools))
             raise NotFoundError(
-                f"unknown pool {request.pool!r}; this server has: {', '.join(sorted(self.settings.pools))}",
+                f"unknown pool {request.pool[:MAX_POOL_CHARS]!r}; this server has: {known}",
                 reason="unknown_pool",
             )
         problem = node_name_problem(request.node_name)
         if problem is not None:
-            raise InvalidRequestError(f"node name {request.node_name!r}: {problem}", reason="bad_node_name")
+            raise InvalidRequestError(
+                f"node name {request.node_name[:253]!r}: {problem}", reason="bad_node_name"
+            )
         now = self.clock()
         skew = self.settings.clock_skew.total_seconds()
         if abs(now - request.requested_at) > skew:
@@ -171,7 +185,7 @@ class JoinService(join_pb2_grpc.JoinServicer):
                 "synchronise the node's clock",
                 reason="stale_request",
             )
-        if not _REQUEST_ID_RE.match(request.request_id):
+        if not _REQUEST_ID_RE.fullmatch(request.request_id):
             raise InvalidRequestError(
                 "request_id must be 32 lowercase hex characters", reason="bad_request_id"
             )
@@ -180,23 +194,19 @@ class JoinService(join_pb2_grpc.JoinServicer):
         except ProtocolError as exc:
             raise InvalidRequestError(f"verification report: {exc}", reason="bad_report") from exc
         verdict = evaluate(report, pool.policy)
-        attempt.fields["verdict"] = "pass" if verdict.passed else "fail"
+        call.set(verdict="pass" if verdict.passed else "fail")
         if not verdict.passed:
             reasons = "; ".join(f"{f.check}: {f.reason}" for f in verdict.failures[:10])
-            attempt.fields["failed_checks"] = [f.check for f in verdict.failures]
+            call.set(failed_checks=[f.check for f in verdict.failures])
             raise PolicyDeniedError(f"the node fails pool {pool.name}: {reasons}")
         fresh = await self._in_thread(
             self.store.consume_request_id, agent_id, request.request_id, int(now) + REQUEST_ID_MEMORY_S
         )
         if not fresh:
             raise ReplayError(f"request {request.request_id} was already used: a replayed request")
-        token = await self._in_thread(self._mint, agent_id, pool, request.node_name, int(now))
-        attempt.fields.update(token_id=token.token_id, token_expires_at=token.expires_at)
-        await self._in_thread(
-            self.store.record_join,
-            JoinRecord(agent_id=agent_id, node_name=request.node_name, pool=pool.name, token_id=token.token_id,
-                       verdict="pass", at=int(now)),
-        )  # fmt: skip
+        token, _reused = await self._in_thread(
+            self._grant, agent_id, pool, request.node_name, int(now), call
+        )
         labels = dict(pool.policy.labels)
         labels["nodetrust.io/pool"] = pool.name
         return join_pb2.JoinResponse(
@@ -210,8 +220,74 @@ class JoinService(join_pb2_grpc.JoinServicer):
             verdict="pass" + (f" with {len(verdict.warnings)} warning(s)" if verdict.warnings else ""),
         )
 
+    def _grant(
+        self, agent_id: str, pool: Pool, node_name: str, now: int, call: Call
+    ) -> tuple[BootstrapToken, bool]:
+        """In a worker thread, under the node lock: reuse the live token, or mint one within the limits."""
+        with self.store.node_lock(agent_id):
+            reused = self._reusable(agent_id, pool.name, node_name, now)
+            if reused is not None:
+                with call.committing():
+                    call.set(token_id=reused.token_id, token_expires_at=reused.expires_at, token_reused=True)
+                    call.commit("token_reused", "the live token of this node, issued moments ago")
+                return reused, True
+            window = self.settings.join_window.total_seconds()
+            try:
+                recent = self.store.count_joins_since(agent_id, now - int(window))
+            except ServerError:
+                raise
+            except Exception as exc:
+                raise StoreError("could not count the agent's joins", detail=str(exc)) from exc
+            if recent >= self.settings.joins_per_agent:
+                raise JoinRateLimitedError(
+                    f"this agent was issued {recent} tokens in the last {window:.0f} s "
+                    f"(limit {self.settings.joins_per_agent}); retry later",
+                    retry_after_s=min(window, 60.0),
+                )
+            with call.committing():
+                token = self._mint(agent_id, pool, node_name, now)
+                call.set(token_id=token.token_id, token_expires_at=token.expires_at)
+                try:
+                    self.store.record_join(
+                        JoinRecord(agent_id=agent_id, node_name=node_name, pool=pool.name,
+                                   token_id=token.token_id, verdict="pass", at=now)
+                    )  # fmt: skip
+                    call.on_cancel.append(lambda: self._revoke_later(agent_id, token.token_id))
+                    call.commit("joined", "token issued")
+                except BaseException:
+                    self._revoke(agent_id, token.token_id, "its grant could not be recorded")
+                    raise
+            self._remember(agent_id, token, pool.name, node_name)
+            return token, False
+
+    def _reusable(self, agent_id: str, pool: str, node_name: str, now: int) -> BootstrapToken | None:
+        with self._recent_lock:
+            issued = self._recent.get(agent_id)
+        if issued is None or issued.pool != pool or issued.node_name != node_name:
+            return None
+        if self.monotonic() - issued.issued_mono > self.settings.token_reuse_window.total_seconds():
+            return None
+        live = self.store.live_token(agent_id, now)
+        if live is None or live.token_id != issued.token.token_id:
+            return None  # revoked, replaced or expired since: mint a new one
+        return issued.token
+
+    def _remember(self, agent_id: str, token: BootstrapToken, pool: str, node_name: str) -> None:
+        if self.settings.token_reuse_window.total_seconds() <= 0:
+            return
+        with self._recent_lock:
+            self._recent.pop(agent_id, None)
+            self._recent[agent_id] = _Issued(token, pool, node_name, self.monotonic())
+            while len(self._recent) > MAX_REUSE_ENTRIES:
+                self._recent.popitem(last=False)
+
+    def _forget_recent(self, agent_id: str, token_id: str | None = None) -> None:
+        with self._recent_lock:
+            issued = self._recent.get(agent_id)
+            if issued is not None and (token_id is None or issued.token.token_id == token_id):
+                del self._recent[agent_id]
+
     def _mint(self, agent_id: str, pool: Pool, node_name: str, now: int) -> BootstrapToken:
-        """Create the node's one live token (runs in a worker thread, under the node lock)."""
         try:
             return self._mint_once(agent_id, pool, node_name, now)
         except TokenConflictError:
@@ -219,72 +295,141 @@ class JoinService(join_pb2_grpc.JoinServicer):
             return self._mint_once(agent_id, pool, node_name, now)
 
     def _mint_once(self, agent_id: str, pool: Pool, node_name: str, now: int) -> BootstrapToken:
+        """Record the token first, then create it in the backend (caller holds the node lock).
+
+        A token recorded but never created (the server killed in between) is swept when it
+        expires like any other; one created but not recorded cannot happen.
+        """
         token = new_token(
             ttl_s=int(self.settings.token_ttl.total_seconds()),
             now=now,
             description=f"nodetrust join of {node_name} ({pool.name})",
             extra_groups=pool.extra_groups,
         )
-        with self.store.node_lock(agent_id):
-            try:
-                ref = self.backend.create(token)
-            except ServerError:
+        record = TokenRecord(
+            agent_id=agent_id,
+            token_id=token.token_id,
+            secret_sha256=token.secret_sha256,
+            pool=pool.name,
+            node_name=node_name,
+            issued_at=now,
+            expires_at=token.expires_at,
+        )
+        try:
+            previous = self.store.replace_token(record)
+        except StoreError as exc:
+            if exc.reason == "token_id_taken":
+                raise TokenConflictError("token id collision", detail=str(exc)) from exc
+            raise
+        if previous is not None:
+            self._forget_recent(agent_id, previous.token_id)
+            self._delete_quietly(agent_id, previous.token_id, previous.backend_ref)
+        try:
+            self.backend.create(token)
+        except BaseException as exc:
+            self._forget_quietly(agent_id, token.token_id)
+            if isinstance(exc, ServerError):
                 raise
-            except Exception as exc:
-                raise TokenBackendError(f"the token backend failed: {type(exc).__name__}") from exc
-            record = TokenRecord(
-                agent_id=agent_id,
-                token_id=token.token_id,
-                secret_sha256=token.secret_sha256,
-                pool=pool.name,
-                node_name=node_name,
-                issued_at=now,
-                expires_at=token.expires_at,
-                backend_ref=ref,
-            )
-            try:
-                previous = self.store.replace_token(record)
-            except BaseException:
-                self._delete_quietly(token.token_id, ref)
-                raise
-            if previous is not None:
-                self._delete_quietly(previous.token_id, previous.backend_ref)
+            if isinstance(exc, Exception):
+                raise TokenBackendError(
+                    "the token backend failed", detail=f"{type(exc).__name__}: {exc}"
+                ) from exc
+            raise
         return token
 
-    def _delete_quietly(self, token_id: str, ref: str) -> None:
+    def _forget_quietly(self, agent_id: str, token_id: str) -> None:
         try:
-            self.backend.delete(token_id, ref)
+            self.store.revoke_token(agent_id, token_id)
+            self.store.forget_token(agent_id, token_id)
+        except Exception:
+            log.warning("could not forget token %s; the sweeper removes it", token_id, exc_info=True)
+
+    def _delete_quietly(self, agent_id: str, token_id: str, backend_ref: str) -> bool:
+        """Delete a revoked token from the backend and forget it; False (left for the sweeper) on failure."""
+        try:
+            self.backend.delete(token_id, backend_ref)
         except Exception:
             log.warning(
-                "could not delete bootstrap token %s from the backend; it expires on its own",
+                "could not delete bootstrap token %s from the backend; the sweeper retries",
                 token_id,
                 exc_info=True,
             )
+            return False
+        try:
+            self.store.forget_token(agent_id, token_id)
+        except Exception:
+            log.warning("could not forget token %s; the sweeper retries", token_id, exc_info=True)
+        return True
 
-    def sweep_expired(self) -> int:
-        """Delete expired tokens from the backend and forget them (runs periodically in a thread)."""
+    def _revoke(self, agent_id: str, token_id: str, why: str) -> bool:
+        """Revoke the agent's token ``token_id`` now: store first (it stops being live), then backend."""
+        self._forget_recent(agent_id, token_id)
+        live = self.store.live_token(agent_id, int(self.clock()))
+        revoked = self.store.revoke_token(agent_id, token_id)
+        if revoked:
+            log.info("revoked bootstrap token %s of %s: %s", token_id, agent_id, why)
+            ref = live.backend_ref if live is not None and live.token_id == token_id else ""
+            self._delete_quietly(agent_id, token_id, ref)
+        return revoked
+
+    def _revoke_later(self, agent_id: str, token_id: str) -> None:
+        """The client went away after its token was granted: nobody holds it, so revoke it."""
+
+        def work() -> None:
+            try:
+                self._revoke(agent_id, token_id, "the client cancelled before receiving it")
+            except Exception:
+                log.warning("could not revoke the undelivered token %s", token_id, exc_info=True)
+
+        threading.Thread(target=work, name="nodeserver-revoke", daemon=True).start()
+
+    # -- ReportJoined -----------------------------------------------------------------
+    async def report_joined(
+        self, request: join_pb2.JoinedRequest, context: Context, call: Call
+    ) -> join_pb2.JoinedResponse:
+        call.set(token_id=request.token_id[:6], node_name=request.node_name)
+        agent_id = await self._caller(context, call)
+        if not TOKEN_ID_RE.fullmatch(request.token_id):
+            raise InvalidRequestError(
+                "token_id must be the 6-character id of a bootstrap token", reason="unknown_token"
+            )
+        revoked = await self._in_thread(self._joined, agent_id, request.token_id, request.node_name)
+        call.set(token_revoked=revoked)
+        call.commit(
+            "token_revoked" if revoked else "already_revoked",
+            "joined; token revoked" if revoked else "joined",
+        )
+        return join_pb2.JoinedResponse(revoked=revoked)
+
+    def _joined(self, agent_id: str, token_id: str, node_name: str) -> bool:
+        with self.store.node_lock(agent_id):
+            live = self.store.live_token(agent_id, int(self.clock()))
+            if live is not None and live.token_id == token_id and live.node_name != node_name:
+                raise InvalidRequestError(
+                    f"token {token_id} was issued for node {live.node_name!r}, not {node_name[:253]!r}",
+                    reason="unknown_token",
+                )
+            return self._revoke(agent_id, token_id, f"node {node_name} reported joined")
+
+    # -- housekeeping -----------------------------------------------------------------
+    def sweep(self) -> int:
+        """Delete revoked and expired tokens from the backend, forget them, prune the history.
+
+        Runs periodically in a thread. A token whose deletion fails stays recorded and is tried
+        again on the next round.
+        """
+        now = int(self.clock())
         count = 0
-        for rec in list(self.store.expired_tokens(int(self.clock()))):
-            self._delete_quietly(rec.token_id, rec.backend_ref)
-            self.store.forget_token(rec.agent_id, rec.token_id)
-            count += 1
+        for rec in list(self.store.stale_tokens(now)):
+            if rec.expires_at <= now:
+                self._forget_recent(rec.agent_id, rec.token_id)
+            if self._delete_quietly(rec.agent_id, rec.token_id, rec.backend_ref):
+                count += 1
+        retention = int(self.settings.joins_retention.total_seconds())
+        pruned = self.store.prune_joins(now - retention)
+        if pruned:
+            log.info("pruned %d join record(s) older than %s", pruned, self.settings.joins_retention)
         return count
 
-    def _finish(self, attempt: _Attempt, result: str, err: ServerError | None) -> None:
-        elapsed = time.monotonic() - attempt.started
-        reason = err.reason if err else "joined"
-        self.metrics.joins.labels(result=result, reason=reason).inc()
-        self.metrics.join_seconds.observe(elapsed)
-        self.audit.write(
-            "join",
-            result=result,
-            reason=reason,
-            status=err.grpc_code if err else "OK",
-            message=err.message if err else "token issued",
-            peer=attempt.peer,
-            spiffe_id=attempt.agent_id,
-            pool=attempt.pool,
-            node_name=attempt.node_name,
-            duration_ms=round(elapsed * 1000, 1),
-            **attempt.fields,
-        )
+    # Kept for callers of the old name (the demo, the benches).
+    sweep_expired = sweep

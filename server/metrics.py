@@ -22,6 +22,8 @@ class Metrics:
     joins: Counter
     join_seconds: Histogram
     tokens_live: Gauge
+    requests: Counter
+    peers_inflight: Gauge
 
     @classmethod
     def create(cls) -> Metrics:
@@ -53,6 +55,15 @@ class Metrics:
             ),
             tokens_live=Gauge(
                 "nodeserver_bootstrap_tokens_live", "Unexpired bootstrap tokens issued.", registry=reg
+            ),
+            requests=Counter(
+                "nodeserver_requests",
+                "Audited RPC attempts of every method by result and reason slug (protocol.reasons).",
+                ["method", "result", "reason"],
+                registry=reg,
+            ),
+            peers_inflight=Gauge(
+                "nodeserver_peers_inflight", "Client addresses with requests in flight.", registry=reg
             ),
         )
 

@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
-from protocol import tpm2
+from protocol import reasons, tpm2
 from protocol.credential import make_credential
 from protocol.errors import ProtocolError
 from protocol.spiffe import SpiffeId, tpm_agent_id
@@ -189,8 +189,13 @@ class TpmNodeAttestor:
         agent_id, ek, ak = evidence.agent_id, evidence.ek, evidence.ak
         verdict = self.ek_trust.verify(ek)
         if not verdict.trusted:
+            # The verdict's own text names the server's trust folders: it goes to the log and the
+            # audit line only; the peer is told what kind of refusal it is (SPIRE's prefix + slug).
+            code = verdict.reason_code if verdict.reason_code in reasons.REASONS else "ek_not_trusted"
             raise AttestationDeniedError(
-                f"tpm: {verdict.reason}", reason=verdict.reason_code or "ek_not_trusted"
+                f"tpm: could not validate EK: {reasons.get(code).summary}",
+                reason=code,
+                detail=verdict.reason,
             )
         name = check_ak(ak)
         secret = os.urandom(SECRET_BYTES)

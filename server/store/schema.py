@@ -29,7 +29,7 @@ SCHEMA_VERSION_TABLE = (
     " applied_at BIGINT NOT NULL)"
 )
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def load_migrations(dialect: Dialect) -> tuple[Migration, ...]:
     """The migrations for ``dialect``, in order; raises StoreError if the set is malformed."""
     files: dict[int, dict[str, tuple[str, str]]] = {}
     for entry in resources.files("server.store.migrations").iterdir():
-        match = _FILE.match(entry.name)
+        match = _FILE.fullmatch(entry.name)
         if match is None:
             continue
         version = int(match["version"])
@@ -111,7 +111,7 @@ def agent_from_row(row: Sequence[Any]) -> AgentRecord:
 
 def check_token(record: TokenRecord) -> None:
     """Refuse anything that does not look like a SHA-256, so a secret can never be stored by mistake."""
-    if not _HEX64.match(record.secret_sha256):
+    if not _HEX64.fullmatch(record.secret_sha256):
         raise ValueError("TokenRecord.secret_sha256 must be the lowercase hex SHA-256 of the secret")
     if not record.agent_id or not record.token_id:
         raise ValueError("TokenRecord needs an agent_id and a token_id")

@@ -108,6 +108,9 @@ _REVOKE_ONE = (
     " WHERE agent_id = %s AND token_id = %s AND NOT revoked RETURNING token_id"
 )
 _EXPIRED_BOOTSTRAP = _BOOTSTRAP_SELECT + " WHERE expires_at <= %s ORDER BY expires_at, token_id"
+_STALE_BOOTSTRAP = (
+    _BOOTSTRAP_SELECT + " WHERE revoked OR expires_at <= %s ORDER BY expires_at, token_id LIMIT 1000"
+)
 _FORGET_ONE = "DELETE FROM tokens WHERE agent_id = %s AND token_id = %s"
 
 _CONSUME_REQUEST = """
@@ -122,6 +125,8 @@ INSERT INTO joins (agent_id, node_name, pool, token_id, verdict, at, details)
 VALUES (%s, %s, %s, %s, %s, %s, %s)
 """
 _JOINS_FOR = _JOIN_SELECT + " WHERE agent_id = %s ORDER BY at, id"
+_COUNT_JOINS_SINCE = "SELECT COUNT(*) FROM joins WHERE agent_id = %s AND at >= %s"
+_PRUNE_JOINS = "DELETE FROM joins WHERE at < %s"
 
 _MIGRATION_SELECT = "SELECT COALESCE(MAX(version), 0) FROM schema_version"
 _MIGRATION_RECORD = "INSERT INTO schema_version (version, name, applied_at) VALUES (%s, %s, %s)"
@@ -262,6 +267,10 @@ class SqlStore(ABC):
         rows = self._read(lambda tx: tx.all(_EXPIRED_BOOTSTRAP, (now,)))
         return iter([schema.token_from_row(row) for row in rows])
 
+    def stale_tokens(self, now: int) -> Iterator[TokenRecord]:
+        rows = self._read(lambda tx: tx.all(_STALE_BOOTSTRAP, (now,)))
+        return iter([schema.token_from_row(row) for row in rows])
+
     def forget_token(self, agent_id: str, token_id: str) -> None:
         self._write(lambda tx: tx.execute(_FORGET_ONE, (agent_id, token_id)), single=True)
 
@@ -287,3 +296,15 @@ class SqlStore(ABC):
 
     def joins_for(self, agent_id: str) -> list[JoinRecord]:
         return [schema.join_from_row(row) for row in self._read(lambda tx: tx.all(_JOINS_FOR, (agent_id,)))]
+
+    def count_joins_since(self, agent_id: str, since: int) -> int:
+        row = self._read(lambda tx: tx.one(_COUNT_JOINS_SINCE, (agent_id, since)))
+        return int(row[0]) if row else 0
+
+    def prune_joins(self, before: int) -> int:
+        def work(tx: Tx) -> int:
+            row = tx.one("SELECT COUNT(*) FROM joins WHERE at < %s", (before,))
+            tx.execute(_PRUNE_JOINS, (before,))
+            return int(row[0]) if row else 0
+
+        return self._write(work)

@@ -99,9 +99,32 @@ def test_gpu_pool_taints_and_labels(env: JoinEnv, tmp_path: Path) -> None:
     assert "gpu.pci.inventory" in refused.value.message
 
 
+def test_a_retry_within_the_reuse_window_gets_the_same_token(env: JoinEnv, agent: SimAgent) -> None:
+    """An agent that crash-loops between its join request and kubeadm mints nothing new."""
+    store = env.srv.app.store
+    assert store is not None
+    first = join(env, agent)
+    joins_before = len(store.joins_for(agent.spiffe_id))
+    again = join(env, agent)
+    assert again.token == first.token
+    assert len(store.joins_for(agent.spiffe_id)) == joins_before  # no new history row
+    assert [p.name for p in _token_files(env)].count(
+        f"bootstrap-token-{first.token.split('.')[0]}.yaml"
+    ) == 1
+    line = [a for a in env.srv.audit_lines() if a["event"] == "join"][-1]
+    assert line["reason"] == "token_reused" and line["token_id"] == first.token.split(".")[0]
+
+
 def test_a_retry_replaces_and_revokes_the_old_token(env: JoinEnv, agent: SimAgent) -> None:
     first = join(env, agent)
-    second = join(env, agent)
+    # Past the reuse window (the broker's monotonic clock moved on), a retry mints a new token.
+    service = env.srv.app.join_service
+    real = service.monotonic
+    service.monotonic = lambda: real() + 3600
+    try:
+        second = join(env, agent)
+    finally:
+        service.monotonic = real
     assert first.token != second.token
     ids = {p.name for p in _token_files(env)}
     assert f"bootstrap-token-{second.token.split('.')[0]}.yaml" in ids

@@ -95,7 +95,8 @@ def test_two_replicas_on_one_postgres_never_mint_two_live_tokens(tmp_path: Path)
     try:
         dsn = cluster.dsn(cluster.create_database())
         ca = SimCa.create()
-        config, _ = join_config(tmp_path, ca, store=dsn)
+        # Far more joins than the per-agent limit allows in production: this test is about the lock.
+        config, _ = join_config(tmp_path, ca, store=dsn, join={"token_ttl": "15m", "joins_per_agent": 1000})
         a = ServerProcess({**config, "audit_log": str(tmp_path / "audit-a.jsonl")}, tmp_path / "a.yaml")
         b = ServerProcess({**config, "audit_log": str(tmp_path / "audit-b.jsonl")}, tmp_path / "b.yaml")
         try:
