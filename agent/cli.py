@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from agent.errors import AgentError
+from protocol.version import add_version_argument
 
 COMMAND_MODULES = (
     "agent.commands.run",
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `nodeagent COMMAND --help` for the options of each command.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    add_version_argument(parser, "nodeagent")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -15,6 +15,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from protocol.version import add_version_argument
+
 COMMAND_MODULES = (
     "imagebuilder.commands.lock",
     "imagebuilder.commands.build",
@@ -34,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `imagebuilder COMMAND --help` for each command. Guide: docs/building-images.md.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    add_version_argument(parser, "imagebuilder")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         if importlib.util.find_spec(name) is not None:

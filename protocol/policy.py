@@ -39,9 +39,22 @@ from protocol.errors import PolicyError
 from protocol.k8s import Taint, label_key_ok, node_name_problem, parse_labels, parse_taints
 from protocol.report import Check, Finding, JsonValue, Observation, Report, Status, Verdict
 from protocol.rules import CHECK_NAMES, PER_GPU_CHECKS, RULES_BY_NAME, Context, Malformed, Severity
+from protocol.settings import (
+    Setting,
+    SettingError,
+    Table,
+    boolean,
+    choice,
+    integer,
+    list_of,
+    raw,
+    section,
+    text,
+)
 
 __all__ = [
     "PRESETS",
+    "PROFILE",
     "MigPolicy",
     "PoolPolicy",
     "Severity",
@@ -141,67 +154,118 @@ def preset(name: str) -> PoolPolicy:
 
 # --------------------------------------------------------------------------- parsing
 
-_SCHEMA: dict[str, dict[str, str] | str] = {
-    "name": "str",
-    "preset": "str",
-    "description": "str",
-    "gpu": {
-        "model": "str",
-        "count": "int",
-        "min_driver": "str",
-        "min_cuda": "str",
-        "mig": "str",
-        "fabric_required": "bool",
-        "persistence_required": "bool",
-        "nvlink_count": "int",
-    },
-    "node": {"control_plane_version": "str", "kubelet_skew_required": "bool", "min_free_disk_gib": "int"},
-    "checks": {"fatal": "list", "warn": "list"},
-    "join": {"labels": "map", "taints": "list", "allowed_taint_keys": "list"},
+_VERSION_HINT = "quote version numbers: '12.8'"
+_TAINT_SCHEMA = {
+    "anyOf": [
+        {"type": "string"},
+        {
+            "type": "object",
+            "properties": {
+                "key": {"type": "string"},
+                "value": {"type": "string"},
+                "effect": {"type": "string"},
+            },
+            "additionalProperties": False,
+        },
+    ]
 }
-_TYPE_TEXT = {
-    "str": "a string",
-    "int": "an integer",
-    "bool": "true or false",
-    "list": "a list",
-    "map": "a mapping",
-}
-
-
-def _type_ok(value: Any, kind: str) -> bool:
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "list":
-        return isinstance(value, list)
-    return isinstance(value, Mapping)
+_CHECKS = list_of(text("a check name or a glob pattern like node.*"), "a list of check names")
+_GPU = Table(
+    "gpu",
+    (
+        Setting("model", text(), "NVML device name every GPU must have, e.g. NVIDIA H200 (default: any)"),
+        Setting("count", integer(), "number of GPUs; 0 is a CPU pool (default: at least one)"),
+        Setting("min_driver", text(number_hint=_VERSION_HINT), "lowest driver version, like 570.124.06"),
+        Setting("min_cuda", text(number_hint=_VERSION_HINT), "lowest CUDA version, like 12.8"),
+        Setting("mig", choice(*(str(m) for m in MigPolicy)), "MIG mode every GPU must be in", "any"),
+        Setting(
+            "fabric_required",
+            boolean(),
+            "the NVSwitch fabric must be up (default: when NVSwitches are on the PCI bus)",
+        ),
+        Setting("persistence_required", boolean(), "persistence mode must be on", False),
+        Setting("nvlink_count", integer(), "active NVLinks every GPU must have, 1 to 36 (default: any)"),
+    ),
+    flags=False,
+)
+_NODE = Table(
+    "node",
+    (
+        Setting(
+            "control_plane_version",
+            text(number_hint=_VERSION_HINT),
+            "for the kubelet skew check: 1.31 or v1.31.4",
+        ),
+        Setting("kubelet_skew_required", boolean(), "the kubelet must be within the skew policy", False),
+        Setting("min_free_disk_gib", integer(), "free disk the node must have, GiB", 20),
+    ),
+    flags=False,
+)
+_CHECKS_TABLE = Table(
+    "checks",
+    (
+        Setting("fatal", _CHECKS, "checks (names or globs) whose failure fails the node", ()),
+        Setting("warn", _CHECKS, "checks whose failure is only a warning", ()),
+    ),
+    flags=False,
+)
+_JOIN = Table(
+    "join",
+    (
+        Setting(
+            "labels",
+            raw(
+                "a mapping of label keys to strings",
+                {"type": "object", "additionalProperties": {"type": "string"}},
+            ),
+            "labels the node gets at join",
+            {},
+        ),
+        Setting(
+            "taints",
+            raw("a list of taints", {"type": "array", "items": _TAINT_SCHEMA}, list),
+            "taints the node gets at join: key[=value]:Effect, or a mapping of key, value and effect",
+            (),
+        ),
+        Setting(
+            "allowed_taint_keys",
+            list_of(text("a taint key"), "a list of taint keys"),
+            "the only taint keys this pool may set (default: any)",
+        ),
+    ),
+    flags=False,
+)
+PROFILE = Table(
+    "pool profile",
+    (
+        Setting("name", text(), "the pool's name, a lower-case DNS name (default: the preset's)"),
+        Setting(
+            "preset",
+            replace(text(), schema={"type": "string", "enum": sorted(PRESETS)}),
+            "a preset the other keys override: " + ", ".join(sorted(PRESETS)),
+        ),
+        Setting("description", text(), "free text", ""),
+        Setting("gpu", section(_GPU), "what every GPU must be"),
+        Setting("node", section(_NODE), "what the node must be"),
+        Setting("checks", section(_CHECKS_TABLE), "severity overrides"),
+        Setting("join", section(_JOIN), "what the node gets at join"),
+    ),
+    flags=False,
+)
+"""Every key of a pool profile (docs/settings.md); :func:`policy_from_mapping` checks the shape with
+it, then the values (versions, ranges, check names, labels, taints)."""
+SECTIONS: Mapping[str, Table] = MappingProxyType(
+    {"gpu": _GPU, "node": _NODE, "checks": _CHECKS_TABLE, "join": _JOIN}
+)
 
 
 def _validate_shape(data: Any) -> None:
     if not isinstance(data, Mapping):
         raise PolicyError(f"a pool profile must be a mapping, got {type(data).__name__}")
-    for key, value in data.items():
-        spec = _SCHEMA.get(key) if isinstance(key, str) else None
-        if spec is None:
-            raise PolicyError(f"unknown key {key!r}; allowed: {', '.join(_SCHEMA)}")
-        if isinstance(spec, dict):
-            if not isinstance(value, Mapping):
-                raise PolicyError(f"{key}: expected a mapping with keys {', '.join(spec)}")
-            for sub, subvalue in value.items():
-                kind = spec.get(sub) if isinstance(sub, str) else None
-                if kind is None:
-                    raise PolicyError(f"unknown key {key}.{sub}; allowed in {key}: {', '.join(spec)}")
-                if not _type_ok(subvalue, kind):
-                    hint = " (quote version numbers: '12.8')" if isinstance(subvalue, float) else ""
-                    raise PolicyError(
-                        f"{key}.{sub}: expected {_TYPE_TEXT[kind]}, got {type(subvalue).__name__} "
-                        f"{subvalue!r}{hint}"
-                    )
-        elif not _type_ok(value, spec):
-            raise PolicyError(f"{key}: expected {_TYPE_TEXT[spec]}, got {type(value).__name__} {value!r}")
+    try:
+        PROFILE.parse(data, partial=True)
+    except SettingError as exc:
+        raise PolicyError(str(exc)) from exc
 
 
 def _version(key: str, text: str, parts: tuple[int, ...]) -> str:

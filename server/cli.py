@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from protocol.version import add_version_argument
 from server.errors import ConfigError, ServerError
 
 COMMAND_MODULES = (
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `nodeserver COMMAND --help` for the options of each command. Configuration: docs/attestation.md.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    add_version_argument(parser, "nodeserver")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)

@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,15 +34,31 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from protocol.errors import PolicyError
-from protocol.policy import PoolPolicy, policy_from_mapping, preset
-from server.config import parse_duration
+from protocol.policy import PRESETS, PROFILE, PoolPolicy, policy_from_mapping, preset
+from protocol.settings import (
+    Ctx,
+    Kind,
+    Setting,
+    SettingError,
+    Table,
+    duration,
+    integer,
+    list_of,
+    mapping_of,
+    path,
+    raw,
+    section,
+    text,
+)
 from server.errors import ConfigError
 
-_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-_VERSION_RE = re.compile(r"^v\d+\.\d+\.\d+$")
-_GROUP_RE = re.compile(r"\Asystem:bootstrappers:[a-z0-9:-]{0,255}[a-z0-9]\Z")
-_POOL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_HASH = r"sha256:[0-9a-f]{64}"
+_VERSION = r"v[0-9]+\.[0-9]+\.[0-9]+"
+_GROUP = r"system:bootstrappers:[a-z0-9:-]{0,255}[a-z0-9]"
+_POOL_NAME = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+_ENDPOINT = r"[A-Za-z0-9.\-\[\]:]+:[0-9]{1,5}"
 DEFAULT_GROUP = "system:bootstrappers:kubeadm:default-node-token"
+MAX_FILE_BYTES = 1024 * 1024  # a CA certificate or a pool profile file larger than this is refused
 
 
 @dataclass(frozen=True)
@@ -73,6 +88,132 @@ class JoinSettings:
     joins_retention: dt.timedelta = dt.timedelta(days=30)
 
 
+_JOIN_DEFAULT: dict[str, Any] = {f.name: f.default for f in fields(JoinSettings)}
+_ENDPOINT_KIND = text("HOST:PORT of the Kubernetes API server", pattern=_ENDPOINT, metavar="HOST:PORT")
+_VERSION_KIND = text("a Kubernetes version like v1.36.3", pattern=_VERSION, metavar="VERSION")
+
+CLUSTER = Table(
+    "cluster",
+    (
+        Setting(
+            "api_server_endpoint",
+            _ENDPOINT_KIND,
+            "HOST:PORT of the workload cluster's API server, as kubeadm join dials it",
+            required=True,
+        ),
+        Setting("ca_cert", path(), "the cluster CA certificate (PEM or DER); its sha256 pin is computed"),
+        Setting(
+            "ca_cert_hashes",
+            list_of(text("sha256:<64 lowercase hex>", pattern=_HASH), "a list of sha256:<hex> pins"),
+            "CA pins given directly (several allowed, for a CA rotation); with ca_cert, both count",
+            (),
+        ),
+        Setting(
+            "kubernetes_version",
+            _VERSION_KIND,
+            "the Kubernetes version nodes join with (a pool may override it)",
+            required=True,
+        ),
+    ),
+    flags=False,
+)
+JOIN = Table(
+    "join",
+    (
+        Setting(
+            "token_ttl",
+            duration("1m", "24h"),
+            "bootstrap-token lifetime (short is the point)",
+            dt.timedelta(minutes=15),
+        ),
+        Setting("clock_skew", duration(), "a join request must be this fresh", dt.timedelta(minutes=5)),
+        Setting(
+            "token_reuse_window",
+            duration(),
+            "a repeated request within this gets the same live token back",
+            _JOIN_DEFAULT["token_reuse_window"],
+        ),
+        Setting(
+            "joins_per_agent",
+            integer(1, 10_000),
+            "tokens minted per agent within join_window, at most",
+            _JOIN_DEFAULT["joins_per_agent"],
+        ),
+        Setting("join_window", duration(), "the window of joins_per_agent", _JOIN_DEFAULT["join_window"]),
+        Setting(
+            "joins_retention",
+            duration(),
+            "how long the joins history is kept",
+            _JOIN_DEFAULT["joins_retention"],
+        ),
+    ),
+    flags=False,
+)
+_PROFILE_KIND = Kind(
+    "profile",
+    "a pool profile mapping or a preset name",
+    "PROFILE",
+    {"anyOf": [{"type": "string", "enum": sorted(PRESETS)}, PROFILE.json_schema()]},
+    lambda value, ctx: value,  # policy_from_mapping checks it, naming pools.<name>.profile
+)
+POOL = Table(
+    "pools.<name>",
+    (
+        Setting("profile", _PROFILE_KIND, "a pool profile (docs/gpu-checks.md) or a preset name"),
+        Setting(
+            "profile_file", path(), "or: a pool profile file (relative: from the configuration's folder)"
+        ),
+        Setting(
+            "kubernetes_version",
+            _VERSION_KIND,
+            "this pool's Kubernetes version",
+            default_text="cluster.kubernetes_version",
+        ),
+        Setting(
+            "api_server_endpoint",
+            _ENDPOINT_KIND,
+            "this pool's API server",
+            default_text="cluster.api_server_endpoint",
+        ),
+        Setting(
+            "extra_groups",
+            list_of(
+                text("system:bootstrappers:<name>", pattern=_GROUP),
+                "a list of system:bootstrappers:<name> groups",
+            ),
+            "the token's extra groups",
+            (DEFAULT_GROUP,),
+        ),
+    ),
+    flags=False,
+)
+POOLS = mapping_of(
+    _POOL_NAME, "a valid pool name (lowercase letters, digits, '-')", section(POOL), min_items=1, item="pool"
+)
+# token_backend is validated by server.tokens.backend.open_backend; this is its shape for editors.
+_TOKEN_BACKEND_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "type": {"enum": ["file", "kubernetes"]},
+        "directory": {"type": "string"},
+        "kubeconfig": {"type": "string"},
+        "context": {"type": "string"},
+        "namespace": {"type": "string"},
+        "timeout": duration().schema,
+    },
+    "required": ["type"],
+    "additionalProperties": False,
+}
+SECTION_KINDS: Mapping[str, Kind] = {
+    "cluster": raw(CLUSTER.expected, CLUSTER.json_schema()),
+    "join": raw(JOIN.expected, JOIN.json_schema()),
+    "token_backend": raw("a mapping such as {type: file, directory: PATH}", _TOKEN_BACKEND_SCHEMA),
+    "pools": raw(POOLS.expected, POOLS.schema),
+}
+"""The join broker's sections of the server configuration: checked for their type when the file
+is read, and in full by :func:`join_settings`."""
+
+
 def ca_cert_hash(pem_or_der: bytes) -> str:
     """``sha256:<hex>`` of a CA certificate's SubjectPublicKeyInfo, as kubeadm pins it."""
     try:
@@ -89,51 +230,28 @@ def ca_cert_hash(pem_or_der: bytes) -> str:
     return "sha256:" + hashlib.sha256(spki).hexdigest()
 
 
-def _mapping(value: Any, key: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
-    return value
+def _read(path: Path, key: str) -> bytes:
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror}") from exc
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{key}: {path} is larger than {MAX_FILE_BYTES} bytes")
+    return data
 
 
-def _only(doc: Mapping[str, Any], key: str, allowed: set[str]) -> None:
-    unknown = sorted(set(doc) - allowed)
-    if unknown:
-        raise ConfigError(
-            f"{key}: unknown key(s) {', '.join(unknown)}; expected {', '.join(sorted(allowed))}"
-        )
-
-
-def _endpoint(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not re.match(r"^[A-Za-z0-9.\-\[\]:]+:\d{1,5}$", value):
-        raise ConfigError(f"{key}: expected HOST:PORT of the Kubernetes API server, got {value!r}")
-    return value
-
-
-def _version(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not _VERSION_RE.match(value):
-        raise ConfigError(f"{key}: expected a Kubernetes version like v1.36.3, got {value!r}")
-    return value
-
-
-def _groups(value: Any, key: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(g, str) and _GROUP_RE.match(g) for g in value):
-        raise ConfigError(f"{key}: expected a list of system:bootstrappers:<name> groups, got {value!r}")
-    return tuple(value)
-
-
-def _policy(name: str, spec: Mapping[str, Any], base_dir: Path | None) -> PoolPolicy:
+def _policy(name: str, spec: Mapping[str, Any]) -> PoolPolicy:
     key = f"pools.{name}"
-    if ("profile" in spec) == ("profile_file" in spec):
+    if (spec["profile"] is None) == (spec["profile_file"] is None):
         raise ConfigError(
             f"{key}: give exactly one of profile (a mapping or a preset name) and profile_file"
         )
-    if "profile_file" in spec:
-        path = Path(spec["profile_file"])
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
+    if spec["profile_file"] is not None:
+        path = spec["profile_file"]
         try:
-            doc = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
+            doc = yaml.safe_load(_read(path, f"{key}.profile_file"))
+        except (yaml.YAMLError, ValueError, RecursionError) as exc:
             raise ConfigError(f"{key}.profile_file: cannot read {path}: {exc}") from exc
     else:
         doc = spec["profile"]
@@ -154,85 +272,44 @@ def join_settings(extra: Mapping[str, Any], *, base_dir: Path | None = None) -> 
             if k in extra:
                 raise ConfigError(f"{k} is set but no pools are: add a pools section, or remove {k}")
         return None
-    cluster = _mapping(extra.get("cluster"), "cluster")
-    _only(cluster, "cluster", {"api_server_endpoint", "ca_cert", "ca_cert_hashes", "kubernetes_version"})
-    endpoint = _endpoint(cluster.get("api_server_endpoint"), "cluster.api_server_endpoint")
+    ctx = Ctx(base_dir=base_dir)
+    if "cluster" not in extra:
+        raise ConfigError(
+            "cluster is required with pools: api_server_endpoint, kubernetes_version and the CA "
+            "(ca_cert or ca_cert_hashes); see docs/join.md"
+        )
+    if "token_backend" not in extra:
+        raise ConfigError("token_backend is required with pools: see docs/join-backends.md")
+    try:
+        cluster = CLUSTER.parse(extra["cluster"], ctx.at("cluster"))
+        join = JOIN.parse(extra.get("join", {}), ctx.at("join"))
+        backend = SECTION_KINDS["token_backend"].parse(extra["token_backend"], ctx.at("token_backend"))
+        pools_doc = POOLS.parse(extra["pools"], ctx.at("pools"))
+    except SettingError as exc:
+        raise ConfigError(str(exc)) from None
     hashes: list[str] = []
-    if "ca_cert" in cluster:
-        path = Path(str(cluster["ca_cert"]))
-        if not path.is_absolute() and base_dir is not None:
-            path = base_dir / path
-        try:
-            hashes.append(ca_cert_hash(path.read_bytes()))
-        except OSError as exc:
-            raise ConfigError(f"cluster.ca_cert: cannot read {path}: {exc.strerror}") from exc
-    for i, h in enumerate(cluster.get("ca_cert_hashes", [])):
-        if not isinstance(h, str) or not _HASH_RE.match(h):
-            raise ConfigError(f"cluster.ca_cert_hashes[{i}]: expected sha256:<64 lowercase hex>, got {h!r}")
-        hashes.append(h)
+    if cluster["ca_cert"] is not None:
+        hashes.append(ca_cert_hash(_read(cluster["ca_cert"], "cluster.ca_cert")))
+    hashes.extend(cluster["ca_cert_hashes"])
     if not hashes:
         raise ConfigError(
             "cluster: set ca_cert (the cluster CA file) or ca_cert_hashes; joins without a CA pin are refused"
         )
-    version = _version(cluster.get("kubernetes_version"), "cluster.kubernetes_version")
-    join = _mapping(extra.get("join", {}), "join")
-    _only(
-        join,
-        "join",
-        {
-            "token_ttl",
-            "clock_skew",
-            "token_reuse_window",
-            "joins_per_agent",
-            "join_window",
-            "joins_retention",
-        },
-    )
-    ttl = parse_duration(join.get("token_ttl", "15m"), "join.token_ttl")
-    if not dt.timedelta(minutes=1) <= ttl <= dt.timedelta(hours=24):
-        raise ConfigError("join.token_ttl: must be between 1m and 24h (short is the point)")
-    skew = parse_duration(join.get("clock_skew", "5m"), "join.clock_skew")
-    limits: dict[str, Any] = {}
-    for key in ("token_reuse_window", "join_window", "joins_retention"):
-        if key in join:
-            limits[key] = parse_duration(join[key], f"join.{key}")
-    if "joins_per_agent" in join:
-        n = join["joins_per_agent"]
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 10_000:
-            raise ConfigError(f"join.joins_per_agent: expected an integer 1..10000, got {n!r}")
-        limits["joins_per_agent"] = n
-    backend = _mapping(extra.get("token_backend"), "token_backend")
-    pools_doc = _mapping(extra["pools"], "pools")
-    if not pools_doc:
-        raise ConfigError("pools: define at least one pool")
-    pools: dict[str, Pool] = {}
-    for name, raw in pools_doc.items():
-        if not isinstance(name, str) or not _POOL_RE.match(name):
-            raise ConfigError(f"pools: {name!r} is not a valid pool name (lowercase letters, digits, '-')")
-        spec = _mapping(raw, f"pools.{name}")
-        _only(
-            spec,
-            f"pools.{name}",
-            {"profile", "profile_file", "kubernetes_version", "api_server_endpoint", "extra_groups"},
-        )
-        pools[name] = Pool(
+    pools = {
+        name: Pool(
             name=name,
-            policy=_policy(name, spec, base_dir),
-            kubernetes_version=_version(
-                spec.get("kubernetes_version", version), f"pools.{name}.kubernetes_version"
-            ),
-            api_server_endpoint=_endpoint(
-                spec.get("api_server_endpoint", endpoint), f"pools.{name}.api_server_endpoint"
-            ),
-            extra_groups=_groups(spec.get("extra_groups", [DEFAULT_GROUP]), f"pools.{name}.extra_groups"),
+            policy=_policy(name, spec),
+            kubernetes_version=spec["kubernetes_version"] or cluster["kubernetes_version"],
+            api_server_endpoint=spec["api_server_endpoint"] or cluster["api_server_endpoint"],
+            extra_groups=spec["extra_groups"],
         )
+        for name, spec in pools_doc.items()
+    }
     return JoinSettings(
-        api_server_endpoint=endpoint,
+        api_server_endpoint=cluster["api_server_endpoint"],
         ca_cert_hashes=tuple(dict.fromkeys(hashes)),
-        kubernetes_version=version,
-        token_ttl=ttl,
-        clock_skew=skew,
+        kubernetes_version=cluster["kubernetes_version"],
         pools=pools,
         token_backend=backend,
-        **limits,
+        **join,
     )

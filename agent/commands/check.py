@@ -4,6 +4,10 @@ Exit status: 0 when every fatal check passes (warnings allowed), 1 when the
 verdict fails, 2 for a bad pool profile or option, 7 when the checks cannot read the
 host at all (no ``/proc`` under ``--host-root``).
 ``--json`` prints the report in its canonical form (what the join request carries).
+
+The profile is ``--pool-profile`` (or its older spelling ``--pool``), else the ``pool_profile``
+setting from the same layers ``nodeagent run`` reads, else /etc/nodeagent/pool.yaml, else the
+``pool`` setting as a preset: the profile ``run`` would check against.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from agent.checks import run_checks
+from agent.config import add_arguments, config_for
 from agent.errors import CheckError, ConfigError
 from agent.host import Host
-from agent.pool import default_pool_spec, load_pool
+from agent.pool import load_pool
 from protocol.report import Report, Status, canonical_json
 
 EXIT_FAILED = 1
@@ -31,15 +36,13 @@ def register(subparsers: Any) -> None:
         help="verify the GPUs, the driver and the node against a pool profile",
         description=(
             "Run every GPU and node check and judge them against a pool profile. "
-            "Exit 0 only when every fatal check passes."
+            "Exit 0 only when every fatal check passes. The profile is --pool-profile (--pool is its older "
+            "spelling), else pool_profile from /etc/nodeagent/config.yaml, config.d, the kernel command line "
+            "(nodeagent.pool_profile=) or NODEAGENT_POOL_PROFILE, else /etc/nodeagent/pool.yaml, else the pool "
+            "setting as a preset (docs/settings.md)."
         ),
     )
-    p.add_argument(
-        "--pool",
-        metavar="FILE|PRESET",
-        help="pool profile (YAML) or preset: nvke, lepton-byok, domino, cpu "
-        "(default: $NODEAGENT_POOL_PROFILE, else /etc/nodeagent/pool.yaml)",
-    )
+    add_arguments(p, "check")
     p.add_argument("--json", action="store_true", help="print the report as canonical JSON")
     p.add_argument(
         "--host-root",
@@ -65,7 +68,8 @@ def _host(root: str) -> Host:
 
 def run(args: argparse.Namespace) -> int:
     host = _host(args.host_root)
-    policy = load_pool(args.pool or default_pool_spec())
+    config, _ = config_for(args, "check")
+    policy = load_pool(config.pool_profile_spec())
     report = run_checks(policy, host)
     try:
         if args.json:

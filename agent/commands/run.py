@@ -3,23 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+import json
 from typing import Any
 
-from agent.config import CONFIG_DIR, SETTINGS, load_config
-
-FLAGS = (
-    "server",
-    "join_server",
-    "trust_domain",
-    "bundle",
-    "tcti",
-    "pool",
-    "pool_profile",
-    "node_name",
-    "state_dir",
-    "kubeadm",
-)
+from agent.config import add_arguments, config_for
 
 
 def register(sub: Any) -> None:
@@ -31,25 +18,26 @@ def register(sub: Any) -> None:
             "joined), resuming where a crash or reboot left it, retrying transient failures with backoff and "
             "stopping with the reason on a permanent refusal. Once joined it does nothing. Settings come from "
             "/etc/nodeagent/config.yaml and config.d/*.yaml, then nodeagent.<key>=<value> on the kernel command "
-            "line, then NODEAGENT_<KEY> variables, then these flags (see docs/join.md)."
+            "line, then NODEAGENT_<KEY> variables, then these flags; every setting has a flag (docs/settings.md). "
+            "Durations are written like 30s, 1h30m or 300ms (or a number of seconds)."
         ),
     )
-    p.add_argument(
-        "--config-dir", default=str(CONFIG_DIR), help=f"configuration folder (default {CONFIG_DIR})"
-    )
-    by_key = {s.key: s for s in SETTINGS}
-    for key in FLAGS:
-        p.add_argument("--" + key.replace("_", "-"), dest=key, default=None, help=by_key[key].help)
+    add_arguments(p, "run")
+    p.add_argument("--json", action="store_true", help="print the outcome as one JSON object")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from agent.lifecycle import Lifecycle
 
-    overrides = {k: getattr(args, k) for k in FLAGS if getattr(args, k) is not None}
-    config, _ = load_config(config_dir=Path(args.config_dir), overrides=overrides)
+    config, _ = config_for(args, "run")
     outcome = Lifecycle(config).run()
-    print(
-        f"nodeagent: joined as {config.effective_node_name}" if outcome.joined else "nodeagent: not joined"
-    )
+    if args.json:
+        print(json.dumps({"joined": outcome.joined, "node_name": config.effective_node_name}))
+    else:
+        print(
+            f"nodeagent: joined as {config.effective_node_name}"
+            if outcome.joined
+            else "nodeagent: not joined"
+        )
     return 0 if outcome.joined else 1

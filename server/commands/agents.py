@@ -10,27 +10,56 @@ from typing import Any
 from server.commands.common import add_config_option, config_from
 from server.errors import NotFoundError
 
+_ACTIONS = {
+    "ban": (
+        "ban an agent: it is refused at its next attestation and join",
+        "Ban the agent with this SPIFFE ID: its next attestation and every join request are refused with "
+        "PERMISSION_DENIED (reason banned), even if it has never attested (a placeholder is recorded). "
+        "Its current SVID stays valid until it expires; lower agent_svid_ttl to shorten that window.",
+    ),
+    "unban": (
+        "lift a ban",
+        "Lift the ban on the agent with this SPIFFE ID: it may attest and join again. "
+        "Exits 1 when there is no such agent or it was not banned.",
+    ),
+    "delete": (
+        "forget an agent (it may attest again)",
+        "Delete the agent's record (first and last attestation, SVID serial): the node is a stranger again "
+        "and may attest anew, as a node whose EK the server trusts. A ban is a record too: to keep a node "
+        "out, ban it, do not delete it. Exits 1 when there is no such agent.",
+    ),
+}
+
 
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
         "agents",
         help="list, ban, unban or delete agents",
-        description="Manage attested agents in the store.",
+        description=(
+            "Manage attested agents in the store (the server's database: data_dir's SQLite file or PostgreSQL). "
+            "Works while the server runs; a ban takes effect at the agent's next request."
+        ),
     )
     asub = p.add_subparsers(dest="agents_command", metavar="ACTION", required=True)
-    lp = asub.add_parser("list", help="list agents")
+    lp = asub.add_parser(
+        "list",
+        help="list agents",
+        description=(
+            "List every agent the store knows: SPIFFE ID, whether it is banned, its first and last attestation "
+            "and when its SVID expires (UTC). --json prints one JSON object per line (JSON lines), for tooling."
+        ),
+    )
     add_config_option(lp)
     lp.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     lp.set_defaults(func=run_list)
-    for name, helptext in (
-        ("ban", "ban an agent: it is refused at its next attestation and join"),
-        ("unban", "lift a ban"),
-        ("delete", "forget an agent (it may attest again)"),
-    ):
-        ap = asub.add_parser(name, help=helptext)
+    for name, (helptext, description) in _ACTIONS.items():
+        ap = asub.add_parser(name, help=helptext, description=description)
         add_config_option(ap)
         ap.add_argument(
             "spiffe_id", metavar="SPIFFE_ID", help="e.g. spiffe://example.org/spire/agent/tpm/<hash>"
+        )
+        ap.add_argument(
+            "--json", action="store_true", help='print {"action", "spiffe_id", "changed"} as one JSON object'
         )
         ap.set_defaults(func=run_action, action=name)
 
@@ -81,5 +110,8 @@ def run_action(args: argparse.Namespace) -> int:
         store.close()
     if not changed and args.action != "ban":
         raise NotFoundError(f"no agent {args.spiffe_id} (or nothing to change)")
-    print(f"{args.action}: {args.spiffe_id}{'' if changed else ' (already banned)'}")
+    if args.json:
+        print(json.dumps({"action": args.action, "spiffe_id": args.spiffe_id, "changed": bool(changed)}))
+    else:
+        print(f"{args.action}: {args.spiffe_id}{'' if changed else ' (already banned)'}")
     return 0

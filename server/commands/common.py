@@ -9,14 +9,16 @@ from pathlib import Path
 from server.config import ServerConfig, load_config
 
 DEFAULT_CONFIG = "/etc/nodeserver/config.yaml"
+CONFIG_ENV = "NODESERVER_CONFIG"
 
 
 def add_config_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "-c",
         "--config",
-        default=os.environ.get("NODESERVER_CONFIG", DEFAULT_CONFIG),
-        help=f"configuration file (default {DEFAULT_CONFIG}, env NODESERVER_CONFIG)",
+        default=os.environ.get(CONFIG_ENV, DEFAULT_CONFIG),
+        metavar="FILE",
+        help=f"configuration file (default {DEFAULT_CONFIG}, env {CONFIG_ENV}); keys: docs/settings.md",
     )
 
 

@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import logging
 import signal
+from pathlib import Path
 from typing import Any
 
-from server.commands.common import add_config_option, config_from
+from server.commands.common import add_config_option
+from server.config import TABLE, load_config
 
 log = logging.getLogger(__name__)
 
@@ -19,17 +21,21 @@ def register(sub: Any) -> None:
         help="run the server",
         description=(
             "Run the SPIRE-compatible attestation server: creates the trust domain's CA and the server SVID on first "
-            "start (in data_dir), then serves AttestAgent over TLS, the gRPC health service, and Prometheus metrics."
+            "start (in data_dir), then serves AttestAgent over TLS, the gRPC health service, and Prometheus metrics. "
+            "Settings come from the configuration file; each flag below replaces the file's value (the sections "
+            "ek_trust, cluster, join, token_backend, pools and the store DSN are set in the file only). "
+            "Durations are Go syntax (30s, 1h30m); sizes are bytes or 64KiB, 256MiB. Reference: docs/settings.md."
         ),
     )
     add_config_option(p)
+    TABLE.add_arguments(p)
     p.set_defaults(func=run)
 
 
 async def _serve(args: argparse.Namespace) -> int:
     from server.app import ServerApp
 
-    app = ServerApp(config_from(args))
+    app = ServerApp(load_config(Path(args.config), overrides=TABLE.given(args)))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,13 +6,25 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
+from protocol.settings import Ctx, Problem, Setting, SettingError, Table
+from protocol.settings import boolean as _boolean
+from protocol.settings import choice as _choice
+from protocol.settings import duration as _duration
+from protocol.settings import integer as _integer
+from protocol.settings import list_of as _list_of
+from protocol.settings import optional as _optional
+from protocol.settings import path as _path
+from protocol.settings import text as _text
 from server.ek.store import ChainPolicy
 from server.errors import ConfigError
 
 MODES = ("hash", "ca", "ca_or_hash", "ca_and_hash")
 TCG_PROFILES = ("ignore", "warn", "enforce")
-_OID = re.compile(r"[0-2](\.[0-9]+)+")
+_OID_BODY = r"[0-2](\.[0-9]+)+"
+_OID = re.compile(_OID_BODY)
+SECTION = "ek_trust"
 
 
 @dataclass(frozen=True)
@@ -32,45 +44,16 @@ class EkTrustConfig:
     recheck_interval_s: float = 1.0  # how often to look for directory changes; 0: at every verify
 
     @classmethod
-    def from_mapping(cls, doc: Mapping[str, object], base_dir: Path | None = None) -> EkTrustConfig:
-        """Build from the parsed YAML mapping; relative paths are taken from ``base_dir``."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(doc) - known)
-        if unknown:
-            raise ConfigError(
-                f"ek_trust: unknown keys {', '.join(unknown)} (known: {', '.join(sorted(known))})"
-            )
-        values: dict[str, object] = {}
-        for key, value in doc.items():
-            if value is None:
-                continue
-            if key in ("ca_dir", "hash_dir"):
-                if not isinstance(value, str) or not value:
-                    raise ConfigError(f"ek_trust.{key} must be a path string")
-                path = Path(value)
-                values[key] = (base_dir / path) if base_dir is not None and not path.is_absolute() else path
-            elif key == "ignore_critical_extensions":
-                if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-                    raise ConfigError("ek_trust.ignore_critical_extensions must be a list of OID strings")
-                values[key] = tuple(value)
-            else:
-                values[key] = value
-        for key, kind in (
-            ("intermediates_as_anchors", bool),
-            ("allow_sha1", bool),
-            ("lenient_parsing", bool),
-        ):
-            if key in values and not isinstance(values[key], kind):
-                raise ConfigError(f"ek_trust.{key} must be true or false")
-        for key in ("max_chain_depth", "cache_size"):
-            if key in values and (isinstance(values[key], bool) or not isinstance(values[key], int)):
-                raise ConfigError(f"ek_trust.{key} must be an integer")
-        if "recheck_interval_s" in values and not isinstance(values["recheck_interval_s"], int | float):
-            raise ConfigError("ek_trust.recheck_interval_s must be a number")
-        for key in ("mode", "tcg_profile"):
-            if key in values and not isinstance(values[key], str):
-                raise ConfigError(f"ek_trust.{key} must be a string")
-        return cls(**values)  # type: ignore[arg-type]  # each value checked above
+    def from_mapping(
+        cls, doc: Mapping[str, object], base_dir: Path | None = None, *, path: tuple[str, ...] = (SECTION,)
+    ) -> EkTrustConfig:
+        """Build from the parsed YAML mapping (validated by :data:`TABLE`); relative paths are taken
+        from ``base_dir``; a key set to null keeps its default."""
+        try:
+            values = TABLE.parse(doc, Ctx(path, base_dir=base_dir), partial=True)
+        except SettingError as exc:
+            raise ConfigError(_message(exc)) from None
+        return cls(**{k: v for k, v in values.items() if v is not None})
 
     def resolved_mode(self) -> str:
         if self.mode:
@@ -131,3 +114,61 @@ def validate(config: EkTrustConfig) -> str:
     if bad:
         raise ConfigError(f"ek_trust.ignore_critical_extensions: not OIDs: {', '.join(bad)}")
     return mode
+
+
+def _message(exc: SettingError) -> str:
+    """This section's wording: ``ek_trust: unknown keys ...``, ``ek_trust.KEY must be ...``."""
+    if exc.problem is Problem.UNKNOWN_KEY:
+        return (
+            f"{SECTION}: unknown keys {exc.path[-1]} (known: {', '.join(sorted(exc.allowed))}); "
+            "see docs/ek-trust.md"
+        )
+    if exc.problem is Problem.TYPE:
+        return f"{exc.where} must be {exc.expected}, got {exc.got_text}"
+    return str(exc)
+
+
+_DEFAULT: dict[str, Any] = {f.name: f.default for f in fields(EkTrustConfig)}
+
+
+def _row(name: str, kind: Any, help_text: str, **extra: Any) -> Setting:
+    # Every key may be null ("keep the default"), as before the table.
+    return Setting(name, _optional(kind), help_text, _DEFAULT[name], flag=None, **extra)
+
+
+TABLE = Table(
+    SECTION,
+    (
+        _row("ca_dir", _path(), "manufacturer CA certificates (PEM or DER files), one or more per file"),
+        _row("hash_dir", _path(), "files named by the allowed EK hashes (sha256 hex of the EK public key)"),
+        _row(
+            "mode",
+            _optional(_choice(*MODES), off=("",)),
+            "which trust method decides",
+            default_text="ca_or_hash with both directories, else the one set",
+        ),
+        _row(
+            "intermediates_as_anchors",
+            _boolean(),
+            "every certificate in ca_dir is a trust anchor (upstream behaviour)",
+        ),
+        _row("max_chain_depth", _integer(1, 16), "CA certificates above the EK certificate, at most"),
+        _row("allow_sha1", _boolean(), "accept SHA-1 signatures in the chain"),
+        _row(
+            "tcg_profile", _choice(*TCG_PROFILES), "the TCG EK certificate profile: ignore, warn or enforce"
+        ),
+        _row("lenient_parsing", _boolean(), "accept the real-world encoding quirks of vendor certificates"),
+        _row(
+            "ignore_critical_extensions",
+            _list_of(_text("an OID like 2.5.29.17", pattern=_OID_BODY), "a list of OIDs"),
+            "extension OIDs to accept although not understood",
+        ),
+        _row("cache_size", _integer(0), "verification results kept (0: no cache)"),
+        _row(
+            "recheck_interval_s",
+            _duration(seconds=True),
+            "how often to look for directory changes (0: at every attestation)",
+        ),
+    ),
+    flags=False,
+)

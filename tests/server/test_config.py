@@ -39,7 +39,7 @@ def test_defaults() -> None:
         ({"server_dns_names": "localhost"}, "server_dns_names"),
         ({"ek_trust": {"ca_dirr": "/x"}}, "unknown keys ca_dirr"),
         ({"ek_trust": "yes"}, "ek_trust"),
-        ({"colour": "blue"}, "unknown configuration key"),
+        ({"colour": "blue"}, "unknown key .colour.; allowed: trust_domain, data_dir"),
     ],
 )
 def test_bad_values(override: dict[str, Any], message: str) -> None:
