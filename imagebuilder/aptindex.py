@@ -7,7 +7,15 @@ InRelease lists. Every package entry so carries a digest vouched for by the sign
 
 :func:`resolve` picks the packages to stage: the requested ones (pinned version or the
 highest) plus their ``Depends``/``Pre-Depends`` closure, minus what the installed base
-already has (the installer ISO's package manifest).
+already has (the installer ISO's package manifest). It honours versioned ``Provides`` (a
+provider satisfies a versioned dependency only with a versioned ``Provides: name (= version)``,
+Debian policy 7.5), ``Conflicts`` and ``Breaks`` (against the selection and against the base's
+versions; a package's conflict with a name it provides itself does not count), and checks the
+final set as a whole. What the base's own packages conflict with is not known from the manifest.
+
+Debian's formats are read with python-debian, the ecosystem's own implementation: version order
+(``debian.debian_support``, dpkg's algorithm), deb822 paragraphs and package relations
+(``debian.deb822``).
 """
 
 from __future__ import annotations
@@ -16,10 +24,12 @@ import bz2
 import gzip
 import logging
 import lzma
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cmp_to_key
 from typing import Protocol
+
+from debian import deb822, debian_support
 
 from imagebuilder.definition import AptRepository
 from imagebuilder.errors import LockError, VerificationError
@@ -32,66 +42,39 @@ INDEX_VARIANTS = (
     ("Packages.gz", gzip.decompress),
     ("Packages.bz2", bz2.decompress),
 )
-_DEP = re.compile(
-    r"^\s*([a-z0-9][a-z0-9+.-]+)(?::[a-z0-9-]+)?\s*(?:\(\s*(<<|<=|=|>=|>>|<|>)\s*([^)\s]+)\s*\))?"
+# The fields of a Packages stanza the lock reads (the others are skipped while parsing).
+_INDEX_FIELDS = (
+    "Package",
+    "Version",
+    "Architecture",
+    "Filename",
+    "Size",
+    "SHA256",
+    "Pre-Depends",
+    "Depends",
+    "Provides",
+    "Breaks",
+    "Conflicts",
 )
 
 
 # -- Debian version order --------------------------------------------------------------
 
 
-def _order(c: str) -> int:
-    if not c or c.isdigit():
-        return 0
-    if c.isalpha():
-        return ord(c)
-    if c == "~":
-        return -1
-    return ord(c) + 256
-
-
-def _verrevcmp(a: str, b: str) -> int:
-    ia = ib = 0
-    while ia < len(a) or ib < len(b):
-        first_diff = 0
-        while (ia < len(a) and not a[ia].isdigit()) or (ib < len(b) and not b[ib].isdigit()):
-            ac = _order(a[ia] if ia < len(a) else "")
-            bc = _order(b[ib] if ib < len(b) else "")
-            if ac != bc:
-                return ac - bc
-            ia += 1
-            ib += 1
-        while ia < len(a) and a[ia] == "0":
-            ia += 1
-        while ib < len(b) and b[ib] == "0":
-            ib += 1
-        while ia < len(a) and a[ia].isdigit() and ib < len(b) and b[ib].isdigit():
-            if not first_diff:
-                first_diff = ord(a[ia]) - ord(b[ib])
-            ia += 1
-            ib += 1
-        if ia < len(a) and a[ia].isdigit():
-            return 1
-        if ib < len(b) and b[ib].isdigit():
-            return -1
-        if first_diff:
-            return first_diff
-    return 0
-
-
-def _split(version: str) -> tuple[int, str, str]:
-    epoch, _, rest = version.partition(":") if ":" in version else ("0", "", version)
-    upstream, _, revision = rest.rpartition("-") if "-" in rest else (rest, "", "")
-    return int(epoch or 0), upstream, revision
-
-
 def compare_versions(a: str, b: str) -> int:
-    """dpkg's order: negative if a < b, 0 if equal, positive if a > b."""
-    ea, ua, ra = _split(a)
-    eb, ub, rb = _split(b)
-    if ea != eb:
-        return ea - eb
-    return _verrevcmp(ua, ub) or _verrevcmp(ra, rb)
+    """dpkg's order (python-debian): negative if a < b, 0 if equal, positive if a > b.
+
+    Raises ValueError for a string that is not a Debian version.
+    """
+    return debian_support.version_compare(a, b)
+
+
+def valid_version(version: str) -> bool:
+    try:
+        debian_support.Version(version)
+    except ValueError:
+        return False
+    return True
 
 
 def satisfies(version: str, op: str | None, wanted: str | None) -> bool:
@@ -100,11 +83,11 @@ def satisfies(version: str, op: str | None, wanted: str | None) -> bool:
     cmp = compare_versions(version, wanted)
     return {
         "<<": cmp < 0,
-        "<": cmp <= 0,
+        "<": cmp <= 0,  # obsolete spelling of <=
         "<=": cmp <= 0,
         "=": cmp == 0,
         ">=": cmp >= 0,
-        ">": cmp >= 0,
+        ">": cmp >= 0,  # obsolete spelling of >=
         ">>": cmp > 0,
     }[op]
 
@@ -112,25 +95,16 @@ def satisfies(version: str, op: str | None, wanted: str | None) -> bool:
 # -- index parsing -----------------------------------------------------------------------
 
 
-def parse_stanzas(text: str) -> list[dict[str, str]]:
-    """deb822 paragraphs (Packages, Release) as dicts; continuation lines are kept with newlines."""
-    stanzas: list[dict[str, str]] = []
-    current: dict[str, str] = {}
-    key = ""
-    for line in text.splitlines():
-        if not line.strip():
-            if current:
-                stanzas.append(current)
-                current, key = {}, ""
-            continue
-        if line[0] in " \t" and key:
-            current[key] += "\n" + line.strip()
-            continue
-        key, _, value = line.partition(":")
-        current[key] = value.strip()
-    if current:
-        stanzas.append(current)
-    return stanzas
+def parse_stanzas(text: str, fields: Sequence[str] | None = None) -> list[dict[str, str]]:
+    """deb822 paragraphs (Packages, Release, ``dpkg-deb --field``) as dicts (python-debian).
+
+    A multi-line value keeps its continuation lines as deb822 folds them (newline, leading space).
+    ``fields`` keeps only those fields (faster on large indexes).
+    """
+    paragraphs = deb822.Deb822.iter_paragraphs(
+        text.splitlines(keepends=True), fields=list(fields) if fields else None, use_apt_pkg=False
+    )
+    return [dict(paragraph) for paragraph in paragraphs if len(paragraph)]
 
 
 @dataclass(frozen=True)
@@ -139,22 +113,41 @@ class Relation:
     op: str | None = None
     version: str | None = None
 
+    def __str__(self) -> str:
+        return f"{self.name} ({self.op} {self.version})" if self.op else self.name
+
 
 def parse_relations(value: str) -> list[list[Relation]]:
-    groups = []
-    for group in value.split(","):
+    """A relation field (``Depends``, ``Provides``, ``Breaks``...): groups of alternatives (python-debian).
+
+    Architecture qualifiers (``:any``) are dropped; the lock resolves one architecture.
+    """
+    groups: list[list[Relation]] = []
+    if not value.strip():
+        return groups
+    for group in deb822.PkgRelation.parse_relations(value):
         alternatives = []
-        for alt in group.split("|"):
-            match = _DEP.match(alt)
-            if match:
-                alternatives.append(Relation(match.group(1), match.group(2), match.group(3)))
+        for rel in group:
+            name = rel["name"]
+            if not name:
+                continue
+            constraint = rel.get("version")
+            op, version = constraint if constraint else (None, None)
+            alternatives.append(Relation(name, op, version))
         if alternatives:
             groups.append(alternatives)
     return groups
 
 
+def _flat(value: str) -> tuple[Relation, ...]:
+    """``Provides``, ``Breaks`` and ``Conflicts`` have no alternatives: one relation per entry."""
+    return tuple(rel for group in parse_relations(value) for rel in group)
+
+
 @dataclass(frozen=True)
 class PackageEntry:
+    """One binary package of an index. ``provides`` accepts plain names too (``Relation(name)``)."""
+
     name: str
     version: str
     architecture: str
@@ -163,11 +156,53 @@ class PackageEntry:
     sha256: str
     repository: str
     depends: tuple[tuple[Relation, ...], ...] = ()
-    provides: tuple[str, ...] = ()
+    provides: tuple[Relation | str, ...] = ()
+    breaks: tuple[Relation, ...] = ()
+    conflicts: tuple[Relation, ...] = ()
+
+    def __post_init__(self) -> None:
+        provided = tuple(Relation(p) if isinstance(p, str) else p for p in self.provides)
+        object.__setattr__(self, "provides", provided)
+
+    @property
+    def provided(self) -> tuple[Relation, ...]:
+        return tuple(p for p in self.provides if isinstance(p, Relation))
 
     @property
     def filename(self) -> str:
         return f"{self.name}_{self.version.split(':')[-1]}_{self.architecture}.deb"
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.version}"
+
+
+def entry_from_control(
+    control: Mapping[str, str], *, url: str, size: int, sha256: str, repository: str
+) -> PackageEntry:
+    """A :class:`PackageEntry` from a Packages stanza or a ``.deb``'s control fields."""
+    try:
+        name, version, architecture = control["Package"], control["Version"], control["Architecture"]
+    except KeyError as exc:
+        raise LockError(f"{repository}: a package entry has no {exc.args[0]} field") from None
+    if not valid_version(version):
+        raise LockError(
+            f"{repository}: package {name} has version {version!r}, which is not a Debian version",
+            hint="the repository's index is broken; report it to its maintainers",
+        )
+    relations = ", ".join(v for k in ("Pre-Depends", "Depends") if (v := control.get(k, "").strip()))
+    return PackageEntry(
+        name=name,
+        version=version,
+        architecture=architecture,
+        url=url,
+        size=size,
+        sha256=sha256,
+        repository=repository,
+        depends=tuple(tuple(group) for group in parse_relations(relations)),
+        provides=_flat(control.get("Provides", "")),
+        breaks=_flat(control.get("Breaks", "")),
+        conflicts=_flat(control.get("Conflicts", "")),
+    )
 
 
 class Fetcher(Protocol):
@@ -183,14 +218,16 @@ def _base_url(repo: AptRepository) -> str:
 
 
 def _release_digests(text: str) -> dict[str, tuple[str, int]]:
-    stanzas = parse_stanzas(text)
-    if not stanzas or "SHA256" not in stanzas[0]:
+    release = deb822.Release(text)
+    entries = release.get("SHA256")
+    if not entries:
         raise VerificationError("InRelease has no SHA256 section")
     digests: dict[str, tuple[str, int]] = {}
-    for line in stanzas[0]["SHA256"].splitlines():
-        parts = line.split()
-        if len(parts) == 3:
-            digests[parts[2]] = (parts[0].lower(), int(parts[1]))
+    for entry in entries:
+        try:
+            digests[entry["name"]] = (entry["sha256"].lower(), int(entry["size"]))
+        except (KeyError, ValueError):
+            raise VerificationError(f"InRelease has a malformed SHA256 line {entry!r}") from None
     return digests
 
 
@@ -213,7 +250,7 @@ def load_index(repo: AptRepository, arch: str, fetcher: Fetcher) -> list[Package
             sha, size = digests[path]
             data = fetcher.blob(dist + path, name=f"{repo.name} {path}", sha256=sha, size=size)
             text = (decompress(data) if decompress is not None else data).decode("utf-8", errors="replace")
-            entries.extend(_entries(text, base, repo.name, arch))
+            entries.extend(parse_index(text, base, repo.name, arch))
             break
         else:
             raise LockError(f"{what}: lists no Packages index under {prefix or '/'}")
@@ -221,22 +258,20 @@ def load_index(repo: AptRepository, arch: str, fetcher: Fetcher) -> list[Package
     return entries
 
 
-def _entries(text: str, base: str, repo_name: str, arch: str) -> Iterable[PackageEntry]:
-    for stanza in parse_stanzas(text):
+def parse_index(text: str, base: str, repo_name: str, arch: str) -> Iterable[PackageEntry]:
+    """The entries of one Packages index for ``arch`` (and ``all``); URLs are ``base`` + Filename."""
+    for stanza in parse_stanzas(text, _INDEX_FIELDS):
         if stanza.get("Architecture") not in (arch, "all") or "SHA256" not in stanza:
             continue
-        depends = parse_relations(", ".join(v for k in ("Pre-Depends", "Depends") if (v := stanza.get(k))))
-        filename = stanza["Filename"].removeprefix("./")
-        yield PackageEntry(
-            name=stanza["Package"],
-            version=stanza["Version"],
-            architecture=stanza["Architecture"],
-            url=base + filename,
-            size=int(stanza["Size"]),
-            sha256=stanza["SHA256"].lower(),
-            repository=repo_name,
-            depends=tuple(tuple(group) for group in depends),
-            provides=tuple(r.name for group in parse_relations(stanza.get("Provides", "")) for r in group),
+        try:
+            size = int(stanza["Size"])
+            filename = stanza["Filename"].removeprefix("./")
+        except (KeyError, ValueError):
+            raise LockError(
+                f"apt repository {repo_name}: package {stanza.get('Package')} has no valid Size or Filename"
+            ) from None
+        yield entry_from_control(
+            stanza, url=base + filename, size=size, sha256=stanza["SHA256"].lower(), repository=repo_name
         )
 
 
@@ -262,17 +297,172 @@ class Resolution:
         return sorted(self.selected.values(), key=lambda p: p.name)
 
 
-def _candidates(index: Sequence[PackageEntry], name: str) -> list[PackageEntry]:
-    return [p for p in index if p.name == name]
+def _by_version(a: PackageEntry, b: PackageEntry) -> int:
+    return compare_versions(a.version, b.version)
 
 
-def _best(candidates: Sequence[PackageEntry], relation: Relation) -> PackageEntry | None:
-    fitting = [p for p in candidates if satisfies(p.version, relation.op, relation.version)]
-    best: PackageEntry | None = None
-    for p in fitting:
-        if best is None or compare_versions(p.version, best.version) > 0:
-            best = p
-    return best
+def _newest_first(entries: Iterable[PackageEntry]) -> list[PackageEntry]:
+    return sorted(entries, key=cmp_to_key(_by_version), reverse=True)
+
+
+class _Resolver:
+    """The greedy closure with Debian's relations; every choice skips candidates that would clash."""
+
+    def __init__(self, index: Sequence[PackageEntry], base: Mapping[str, str]) -> None:
+        self.base = base
+        self.selected: dict[str, PackageEntry] = {}
+        self.by_name: dict[str, list[PackageEntry]] = {}
+        self.providers: dict[str, list[tuple[PackageEntry, Relation]]] = {}
+        for entry in index:
+            self.by_name.setdefault(entry.name, []).append(entry)
+            for provided in entry.provided:
+                self.providers.setdefault(provided.name, []).append((entry, provided))
+
+    # -- what the final system would hold ----------------------------------------------------
+
+    def installed_version(self, name: str) -> str | None:
+        if name in self.selected:
+            return self.selected[name].version
+        return self.base.get(name)
+
+    def satisfied(self, relation: Relation, among: Iterable[PackageEntry] | None = None) -> bool:
+        version = self.installed_version(relation.name)
+        if version is not None and satisfies(version, relation.op, relation.version):
+            return True
+        for entry in self.selected.values() if among is None else among:
+            for provided in entry.provided:
+                if provided.name == relation.name and _provision_satisfies(provided, relation):
+                    return True
+        return False
+
+    def clash(self, entry: PackageEntry) -> str | None:
+        """Why ``entry`` cannot join the selection (a Conflicts or Breaks either way), or None."""
+        others = [p for n, p in self.selected.items() if n != entry.name]
+        for kind, relations in (("conflicts with", entry.conflicts), ("breaks", entry.breaks)):
+            for relation in relations:
+                hit = self._hit(relation, entry, others)
+                if hit:
+                    return f"{entry} {kind} {relation}, and {hit}"
+        for other in others:
+            for kind, relations in (("conflicts with", other.conflicts), ("breaks", other.breaks)):
+                for relation in relations:
+                    if relation.name == entry.name and satisfies(
+                        entry.version, relation.op, relation.version
+                    ):
+                        return f"{other} (already chosen) {kind} {relation}"
+                    for provided in entry.provided:
+                        if provided.name == relation.name and _provision_hit(provided, relation):
+                            return f"{other} (already chosen) {kind} {relation}, which {entry} provides"
+        return None
+
+    def _hit(self, relation: Relation, owner: PackageEntry, others: list[PackageEntry]) -> str:
+        if relation.name != owner.name:
+            chosen = self.selected.get(relation.name)
+            if chosen is not None and satisfies(chosen.version, relation.op, relation.version):
+                return f"{chosen} is already chosen"
+            if chosen is None and relation.name in self.base:
+                version = self.base[relation.name]
+                if satisfies(version, relation.op, relation.version):
+                    return (
+                        f"the installed base has {relation.name} {version} (pin a version of "
+                        f"{relation.name} that does not clash in packages to upgrade it)"
+                    )
+        for other in others:
+            for provided in other.provided:
+                if provided.name == relation.name and _provision_hit(provided, relation):
+                    return f"{other} (already chosen) provides {provided}"
+        return ""
+
+    # -- choosing ----------------------------------------------------------------------------
+
+    def candidates(self, relation: Relation) -> list[PackageEntry]:
+        """Real packages of that name first (newest first), then its providers when it has no real one."""
+        real = [
+            p
+            for p in self.by_name.get(relation.name, [])
+            if satisfies(p.version, relation.op, relation.version)
+        ]
+        if real or relation.name in self.by_name:
+            return _newest_first(real)
+        providing = [
+            e for e, p in self.providers.get(relation.name, []) if _provision_satisfies(p, relation)
+        ]
+        names = sorted({e.name for e in providing})
+        if len(names) > 1:
+            raise LockError(
+                f"{relation} is a virtual package that several packages provide ({', '.join(names)})",
+                hint=f"list the one you want in packages (for example {names[0]})",
+            )
+        return _newest_first(providing)
+
+    def choose(self, relation: Relation) -> tuple[PackageEntry | None, list[str]]:
+        """The best candidate that clashes with nothing chosen, and why the better ones were skipped."""
+        clashes: list[str] = []
+        for candidate in self.candidates(relation):
+            problem = self.clash(candidate)
+            if problem is None:
+                return candidate, clashes
+            clashes.append(problem)
+        return None, clashes
+
+    def add(self, entry: PackageEntry) -> None:
+        self.selected[entry.name] = entry
+        for group in entry.depends:
+            if any(self.satisfied(alt) for alt in group):
+                continue
+            clashes: list[str] = []
+            for alt in group:
+                chosen, skipped = self.choose(alt)
+                clashes += skipped
+                if chosen is not None:
+                    self.add(chosen)
+                    break
+            else:
+                wanted = " | ".join(map(str, group))
+                if clashes:
+                    raise _clash_error(f"{entry} depends on {wanted}", clashes)
+                raise LockError(
+                    f"{entry.name} {entry.version} depends on {wanted}, which neither the installed base "
+                    "nor any configured apt source provides",
+                    hint="add the apt source that has it (apt_sources) or list the package explicitly",
+                )
+
+    def check(self) -> None:
+        """The final set as a whole: every dependency met, no Conflicts or Breaks left."""
+        chosen = list(self.selected.values())
+        for entry in chosen:
+            for group in entry.depends:
+                if not any(self.satisfied(alt, chosen) for alt in group):
+                    wanted = " | ".join(map(str, group))
+                    raise LockError(
+                        f"{entry} depends on {wanted}, which the final selection no longer meets "
+                        "(another package needed a different version)",
+                        hint="pin compatible versions in the definition",
+                    )
+            problem = self.clash(entry)
+            if problem is not None:
+                raise LockError(f"the selected packages clash: {problem}", hint="pin compatible versions")
+
+
+def _clash_error(what: str, clashes: list[str]) -> LockError:
+    return LockError(
+        f"{what}, but every candidate clashes: {'; '.join(clashes[:3])}",
+        hint="pin other versions, or remove one of the conflicting packages from the definition",
+    )
+
+
+def _provision_satisfies(provided: Relation, relation: Relation) -> bool:
+    """Debian policy 7.5: an unversioned Provides satisfies only an unversioned relation."""
+    if relation.op is None:
+        return True
+    if provided.op != "=" or provided.version is None:
+        return False
+    return satisfies(provided.version, relation.op, relation.version)
+
+
+def _provision_hit(provided: Relation, relation: Relation) -> bool:
+    """Whether a Conflicts/Breaks on a virtual name reaches this provider (versioned only if it says so)."""
+    return _provision_satisfies(provided, relation)
 
 
 def resolve(
@@ -284,60 +474,31 @@ def resolve(
 ) -> Resolution:
     """The requested packages and their dependency closure that the base does not already satisfy."""
     result = Resolution()
-    provided: dict[str, str] = {}
-    by_name: dict[str, list[PackageEntry]] = {}
-    for entry in index:
-        by_name.setdefault(entry.name, []).append(entry)
-
-    def satisfied(relation: Relation) -> bool:
-        if relation.name in result.selected:
-            return satisfies(result.selected[relation.name].version, relation.op, relation.version)
-        if relation.name in base:
-            return satisfies(base[relation.name], relation.op, relation.version)
-        return relation.op is None and relation.name in provided
-
-    def add(entry: PackageEntry) -> None:
-        result.selected[entry.name] = entry
-        for name in entry.provides:
-            provided.setdefault(name, entry.name)
-        for group in entry.depends:
-            if any(satisfied(alt) for alt in group):
-                continue
-            for alt in group:
-                chosen = _best(by_name.get(alt.name, []), alt)
-                if chosen is not None:
-                    add(chosen)
-                    break
-            else:
-                wanted = " | ".join(f"{a.name} ({a.op} {a.version})" if a.op else a.name for a in group)
-                raise LockError(
-                    f"{entry.name} {entry.version} depends on {wanted}, which neither the installed base "
-                    "nor any configured apt source provides",
-                    hint="add the apt source that has it (apt_sources) or list the package explicitly",
-                )
-
-    for name, version in requests:
+    resolver = _Resolver(index, base)
+    # Pinned requests first: a pinned upgrade of a base package is in place before anything that
+    # Breaks the base's older version is chosen.
+    ordered = [r for r in requests if r[1] is not None] + [r for r in requests if r[1] is None]
+    for name, version in ordered:
         if not install_requested_even_if_present and version is None and name in base:
             result.already_installed.append(name)
             continue
         relation = Relation(name, "=" if version else None, version)
-        chosen = _best(by_name.get(name, []), relation)
+        if name in resolver.selected:
+            if version is not None and resolver.selected[name].version != version:
+                raise LockError(f"package {name}: two different versions requested")
+            continue
+        chosen, clashes = resolver.choose(relation)
+        if chosen is None and clashes:
+            raise _clash_error(f"package {relation} was requested", clashes)
         if chosen is None:
-            known = sorted({p.version for p in by_name.get(name, [])}, key=_VersionKey)
+            known = _newest_first(resolver.by_name.get(name, []))
+            versions = sorted({p.version for p in known}, key=cmp_to_key(compare_versions))
             raise LockError(
                 f"package {name}{'=' + version if version else ''} is in no configured apt source"
-                + (f" (available: {', '.join(known[-5:])})" if known else ""),
+                + (f" (available: {', '.join(versions[-5:])})" if versions else ""),
                 hint="fix the name or version, or add the apt source that has it",
             )
-        if name in result.selected and result.selected[name] != chosen:
-            raise LockError(f"package {name}: two different versions requested")
-        add(chosen)
+        resolver.add(chosen)
+    resolver.check()
+    result.selected = resolver.selected
     return result
-
-
-class _VersionKey:
-    def __init__(self, version: str) -> None:
-        self.version = version
-
-    def __lt__(self, other: _VersionKey) -> bool:
-        return compare_versions(self.version, other.version) < 0

@@ -8,6 +8,8 @@ from imagebuilder.aptindex import (
     PackageEntry,
     Relation,
     compare_versions,
+    entry_from_control,
+    parse_index,
     parse_manifest,
     parse_relations,
     parse_stanzas,
@@ -71,7 +73,7 @@ def test_relations_and_stanzas() -> None:
         [Relation("python3", "<<", "3.12")],
     ]
     stanzas = parse_stanzas("Package: a\nDescription: x\n more\n\nPackage: b\n")
-    assert stanzas == [{"Package": "a", "Description": "x\nmore"}, {"Package": "b"}]
+    assert stanzas == [{"Package": "a", "Description": "x\n more"}, {"Package": "b"}]  # deb822 folding
     assert parse_manifest("adduser\t3.134\nlibc6:amd64 2.36-9\n\n") == {
         "adduser": "3.134",
         "libc6": "2.36-9",
@@ -138,3 +140,165 @@ def test_virtual_packages_and_missing_ones() -> None:
     broken = [*INDEX, _entry("needs-ghost", "1", "ghost (>= 2)")]
     with pytest.raises(LockError, match="depends on ghost"):
         resolve([("needs-ghost", None)], broken, BASE)
+
+
+# -- versioned Provides, Breaks and Conflicts, on small hand-made Packages indexes -------------------
+
+
+def _index(text: str) -> list[PackageEntry]:
+    """A Packages index as apt serves it (deb822), parsed the way load_index parses a fetched one."""
+    return list(parse_index(text, "https://deb.example/", "test", "amd64"))
+
+
+def _stanza(name: str, version: str, **fields: str) -> str:
+    lines = [f"Package: {name}", f"Version: {version}", "Architecture: amd64"]
+    lines += [f"{key.replace('_', '-').title()}: {value}" for key, value in fields.items()]
+    lines += [f"Filename: pool/{name}_{version}_amd64.deb", "Size: 1", f"SHA256: {'ab' * 32}"]
+    return "\n".join(lines) + "\n\n"
+
+
+def _names(resolution: object) -> dict[str, str]:
+    return {p.name: p.version for p in resolution.packages()}  # type: ignore[attr-defined]
+
+
+def test_a_packages_index_is_read_as_deb822() -> None:
+    text = (
+        "Package: libfoo1\nVersion: 1:2.3-4\nArchitecture: amd64\nMulti-Arch: same\n"
+        "Depends: libc6 (>= 2.34),\n libbar2 | libbaz2:any (>> 0.9)\nProvides: libfoo (= 1:2.3-4)\n"
+        "Breaks: foo-tools (<< 2)\nConflicts: libfoo0\nFilename: ./pool/libfoo1.deb\nSize: 10\n"
+        f"SHA256: {'AB' * 32}\nDescription: foo\n long text\n .\n more\n\n"
+        "Package: other-arch\nVersion: 1\nArchitecture: arm64\nFilename: x\nSize: 1\n"
+        f"SHA256: {'ab' * 32}\n\n"
+        "Package: no-digest\nVersion: 1\nArchitecture: all\nFilename: y\nSize: 1\n"
+    )
+    (entry,) = _index(text)
+    assert (entry.name, entry.version, entry.url, entry.size) == (
+        "libfoo1",
+        "1:2.3-4",
+        "https://deb.example/pool/libfoo1.deb",
+        10,
+    )
+    assert entry.sha256 == "ab" * 32
+    assert entry.depends == (
+        (Relation("libc6", ">=", "2.34"),),
+        (Relation("libbar2"), Relation("libbaz2", ">>", "0.9")),
+    )
+    assert entry.provides == (Relation("libfoo", "=", "1:2.3-4"),)
+    assert entry.breaks == (Relation("foo-tools", "<<", "2"),)
+    assert entry.conflicts == (Relation("libfoo0"),)
+
+
+def test_a_version_that_is_not_debian_is_refused() -> None:
+    with pytest.raises(LockError, match=r"version '1\.0 beta', which is not a Debian version"):
+        _index(_stanza("bad", "1.0 beta"))
+
+
+def test_plain_names_in_provides_still_work() -> None:
+    entry = PackageEntry("p", "1", "amd64", "u", 1, "0" * 64, "lock", provides=("mail-transport-agent",))
+    assert entry.provides == (Relation("mail-transport-agent"),)
+
+
+def test_entry_from_control_fields() -> None:
+    control = parse_stanzas("Package: k\nVersion: 1.0\nArchitecture: amd64\nPre-Depends: a\nDepends: b\n")[0]
+    entry = entry_from_control(control, url="file:///k.deb", size=3, sha256="0" * 64, repository="lock")
+    assert entry.depends == ((Relation("a"),), (Relation("b"),))
+
+
+def test_a_versioned_provides_satisfies_a_versioned_dependency() -> None:
+    index = _index(
+        _stanza("needs-foo", "1", depends="foo (>= 2.0)")
+        + _stanza("foo-impl", "5", provides="foo (= 2.1)")
+        + _stanza("old-foo-impl", "9", provides="foo (= 1.9)")
+    )
+    assert _names(resolve([("needs-foo", None)], index, BASE)) == {"needs-foo": "1", "foo-impl": "5"}
+
+
+def test_an_unversioned_provides_never_satisfies_a_versioned_dependency() -> None:
+    index = _index(
+        _stanza("needs-bar", "1", depends="bar (>= 1)") + _stanza("bar-impl", "1", provides="bar")
+    )
+    with pytest.raises(LockError, match=r"depends on bar \(>= 1\)"):
+        resolve([("needs-bar", None)], index, BASE)
+    unversioned = _index(_stanza("wants-bar", "1", depends="bar") + _stanza("bar-impl", "1", provides="bar"))
+    assert _names(resolve([("wants-bar", None)], unversioned, BASE)) == {"wants-bar": "1", "bar-impl": "1"}
+
+
+def test_a_virtual_package_with_several_providers_must_be_chosen() -> None:
+    index = _index(
+        _stanza("mailer", "1", depends="mail-transport-agent")
+        + _stanza("postfix", "3", provides="mail-transport-agent", conflicts="mail-transport-agent")
+        + _stanza("exim4", "4", provides="mail-transport-agent", conflicts="mail-transport-agent")
+    )
+    with pytest.raises(LockError, match=r"several packages provide \(exim4, postfix\)") as caught:
+        resolve([("mailer", None)], index, BASE)
+    assert "list the one you want" in (caught.value.hint or "")
+    # Naming one works; its Conflicts with the virtual name it provides itself does not count.
+    assert _names(resolve([("postfix", None), ("mailer", None)], index, BASE)) == {
+        "postfix": "3",
+        "mailer": "1",
+    }
+    # Two providers that conflict on the virtual name cannot both be installed.
+    with pytest.raises(LockError, match=r"exim4 4 .*conflicts with mail-transport-agent"):
+        resolve([("postfix", None), ("exim4", None)], index, BASE)
+
+
+def test_an_alternative_that_conflicts_with_the_selection_is_skipped() -> None:
+    index = _index(
+        _stanza("gamma", "1")
+        + _stanza("x", "1", depends="alpha | beta")
+        + _stanza("alpha", "1", conflicts="gamma")
+        + _stanza("beta", "1")
+    )
+    assert _names(resolve([("gamma", None), ("x", None)], index, BASE)) == {
+        "gamma": "1",
+        "x": "1",
+        "beta": "1",
+    }
+
+
+def test_a_versioned_breaks_picks_an_older_version() -> None:
+    index = _index(
+        _stanza("other", "1", breaks="lib (>= 2)")
+        + _stanza("app", "1", depends="lib (>= 1)")
+        + _stanza("lib", "2.0")
+        + _stanza("lib", "1.5")
+    )
+    assert _names(resolve([("other", None), ("app", None)], index, BASE)) == {
+        "other": "1",
+        "app": "1",
+        "lib": "1.5",
+    }
+
+
+def test_breaks_against_the_installed_base() -> None:
+    base = {**BASE, "oldtool": "2.5"}
+    index = _index(_stanza("newlib", "2.0", breaks="oldtool (<< 3)") + _stanza("oldtool", "3.0"))
+    with pytest.raises(
+        LockError, match=r"newlib 2\.0 breaks oldtool \(<< 3\), and the installed base has oldtool 2\.5"
+    ):
+        resolve([("newlib", None)], index, base)
+    # Pinning the upgrade of the base package resolves it (pinned requests are placed first).
+    assert _names(resolve([("newlib", None), ("oldtool", "3.0")], index, base)) == {
+        "newlib": "2.0",
+        "oldtool": "3.0",
+    }
+
+
+def test_a_package_that_breaks_a_chosen_one_is_refused_in_both_directions() -> None:
+    index = _index(_stanza("first", "1") + _stanza("second", "1", breaks="first"))
+    with pytest.raises(LockError, match=r"second 1 breaks first, and first 1 is already chosen"):
+        resolve([("first", None), ("second", None)], index, BASE)
+    with pytest.raises(LockError, match=r"second 1 \(already chosen\) breaks first"):
+        resolve([("second", None), ("first", None)], index, BASE)
+
+
+def test_the_final_selection_is_checked_as_a_whole() -> None:
+    """An upgrade chosen for one package must not silently break another's versioned dependency."""
+    base = {**BASE, "c": "1.0"}
+    index = _index(
+        _stanza("a", "1", depends="c (<< 2)") + _stanza("b", "1", depends="c (>= 2)") + _stanza("c", "2.0")
+    )
+    with pytest.raises(
+        LockError, match=r"a 1 depends on c \(<< 2\), which the final selection no longer meets"
+    ):
+        resolve([("a", None), ("b", None)], index, base)
