@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from imagebuilder import interrupt
 from imagebuilder.definition import Definition, canonical_sha256
 from imagebuilder.errors import BuildError, DefinitionError
 from imagebuilder.outputs import sha256_file
@@ -67,6 +68,8 @@ KEEP = 3
 #: The raw disk the installer writes the kernel and initrd to: far smaller than any target disk.
 EXPORT_SIZE = 512 * 2**20
 BOOT_FILES = ("vmlinuz", "initrd.img")
+#: The files of a cached base that base.json records and every use re-hashes.
+BASE_FILES = ("base.qcow2", "vmlinuz", "initrd.img", "console.log")
 
 
 def base_material(
@@ -155,7 +158,11 @@ class BaseCache:
             log.warning("the cached base %s is unreadable (%s); removing it", folder, exc)
             self.remove(key)
             return None
-        for name, expected in record.get("files", {}).items():
+        recorded = record.get("files") if isinstance(record, dict) else None
+        for name in BASE_FILES:  # fixed names: base.json never names a path
+            expected = recorded.get(name) if isinstance(recorded, dict) else None
+            if not isinstance(expected, dict):
+                expected = {}
             path = folder / name
             try:
                 actual, size = sha256_file(path), path.stat().st_size
@@ -210,7 +217,7 @@ class BaseCache:
             shutil.copyfile(initrd, tmp / "initrd.img")
             shutil.copyfile(console, tmp / "console.log")
             files: dict[str, dict[str, Any]] = {}
-            for name in ("base.qcow2", "vmlinuz", "initrd.img", "console.log"):
+            for name in BASE_FILES:
                 (tmp / name).chmod(0o644)
                 files[name] = {"sha256": sha256_file(tmp / name), "size": (tmp / name).stat().st_size}
             full = {**record, "key": key, "files": files}
@@ -224,7 +231,8 @@ class BaseCache:
                 shutil.rmtree(final)
             os.rename(tmp, final)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            with interrupt.deferred():
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         log.info("installed base stored: %s (%d MiB)", final, int(files["base.qcow2"]["size"]) >> 20)
         self.evict(protect=key)
@@ -263,7 +271,8 @@ def read_export(raw: Path, reported: Mapping[str, str] | None, out: Path) -> tup
     try:
         with tarfile.open(raw, mode="r:") as archive:
             for name in BOOT_FILES:
-                handle = archive.extractfile(name)
+                member = archive.getmember(name)
+                handle = archive.extractfile(member) if member.isreg() else None
                 if handle is None:
                     raise BuildError(f"the export disk has no regular file {name}")
                 with handle, (out / name).open("wb") as fh:

@@ -27,12 +27,12 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from imagebuilder import autoinstall, base, boottest, media, outputs, staging, wheelhouse
+from imagebuilder import autoinstall, base, boottest, closure, interrupt, media, outputs, staging, wheelhouse
 from imagebuilder.accel import choose_accel
 from imagebuilder.cache import Cache
 from imagebuilder.definition import Definition, load_definition
@@ -45,7 +45,8 @@ from imagebuilder.domain import (
     provision_cmdline,
 )
 from imagebuilder.errors import BuildError, LockError
-from imagebuilder.lock import Lock, LockedInput, check_lock, default_lock_path, load_lock
+from imagebuilder.lock import Lock, LockedInput, check_lock, default_lock_path, load_lock, plain_name
+from imagebuilder.progress import ProgressLog
 from imagebuilder.run import run, tool_version
 from imagebuilder.vm import DOMAIN_PREFIX, Connection, owner_metadata, remove_orphans
 from imagebuilder.watch import EventListener, ProvisionWatcher, Watcher, WatchResult
@@ -82,6 +83,7 @@ class BuildOptions:
     base_cache: Path | None = None  # default: <cache_dir>/bases
     full: bool = False  # install the base again even when the cache has it
     boot_test: bool = True  # boot the image, check it from inside before publishing (boottest)
+    progress: Path | None = None  # append machine-readable progress lines here (imagebuilder.progress)
 
 
 @dataclass
@@ -92,21 +94,33 @@ class BuildResult:
 
 
 class Phases:
-    def __init__(self) -> None:
+    def __init__(self, progress: ProgressLog | None = None) -> None:
         self.records: list[dict[str, Any]] = []
+        self.progress = progress or ProgressLog(None, "")
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         started_wall, started = time.time(), time.monotonic()
         log.info("== %s", name)
+        self.progress.emit("start", name)
+        outcome = "failed"
         try:
             yield
+            outcome = "ok"
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+            raise
         finally:
             duration = round(time.monotonic() - started, 1)
             self.records.append(
                 {"name": name, "started_at": _iso_time(started_wall), "duration_s": duration}
             )
             log.info("== %s: %.1f s", name, duration)
+            self.progress.emit("end", name, duration_s=duration, outcome=outcome)
+
+    def vm_phase(self, prefix: str) -> Callable[[str], None]:
+        """A watcher's ``on_phase``: its phases reported as ``<prefix>/<phase>``."""
+        return lambda phase: self.progress.emit("start", f"{prefix}/{phase}")
 
 
 def new_build_id(name: str) -> str:
@@ -138,7 +152,6 @@ def _work_dir(opts: BuildOptions, build_id: str) -> Path:
 class Build:
     def __init__(self, opts: BuildOptions) -> None:
         self.opts = opts
-        self.phases = Phases()
         self.started = time.time()
         self.defn: Definition = load_definition(opts.definition)
         lock_path = opts.lock or default_lock_path(self.defn.path)
@@ -147,6 +160,8 @@ class Build:
         self.base_cache = base.BaseCache(opts.base_cache or opts.cache_dir / "bases")
         base.check_disk_size(self.defn)
         self.build_id = new_build_id(self.defn.name)
+        self.progress = ProgressLog(opts.progress, self.build_id)
+        self.phases = Phases(self.progress)
         self.watchdog = dataclasses.replace(self.defn.watchdog, **opts.idle_limits)
         self.network = opts.network or self.defn.network
         self.paths: dict[str, Path] = {}
@@ -178,7 +193,7 @@ class Build:
     def wheelhouse(self, work: Path, files: list[staging.StagedFile]) -> tuple[list[Path], str, str]:
         defn = self.defn
         wheel_dir = work / "wheels"
-        agent_wheel = wheelhouse.build_agent_wheel(defn.agent.source, wheel_dir)
+        agent_wheel, self.agent_source = wheelhouse.build_agent_wheel(defn.agent.source, wheel_dir)
         name, version, all_requires = wheelhouse.wheel_metadata(agent_wheel)
         requires = wheelhouse.requirements_for(all_requires, defn.agent.extras)
         if tuple(requires) != self.lock.agent_requires:
@@ -202,7 +217,7 @@ class Build:
         wheels = [agent_wheel]
         for staged in files:
             if staged.item.kind == "wheel" and staged.item.role == "wheelhouse":
-                dest = wheel_dir / staged.item.filename
+                dest = wheel_dir / plain_name(staged.item.filename)
                 staging.place(staged.path, dest)
                 wheels.append(dest)
         for item in self.lock.by_role("compiled"):
@@ -212,18 +227,30 @@ class Build:
             raise LockError("the lock has no pip wheel", hint="agent.pip names the pip to install with")
         extras = ",".join(defn.agent.extras)
         requirement = f"{name}[{extras}]=={version}" if extras else f"{name}=={version}"
-        wheelhouse.pip_report(
+        report = wheelhouse.pip_report(
             [requirement, pip_wheels[0].name.split("-")[0]],
             defn.target,
             defn.architecture,
             find_links=[wheel_dir],
             no_index=True,
         )
+        installs = {item.name for item in report}
+        unneeded = sorted(
+            i.key
+            for i in self.lock.by_role("wheelhouse")
+            if i.key.startswith("wheel/") and i.name not in installs
+        )
+        if unneeded:
+            raise LockError(
+                "the lock holds wheels that the agent does not install: " + ", ".join(unneeded),
+                hint="a lock holds exactly the inputs its definition implies: run `imagebuilder lock` again and "
+                "review the diff (a hand-edited or foreign lock is refused)",
+            )
         log.info("wheelhouse: %d wheels install offline for Python %s", len(wheels), defn.target.python)
         return wheels, requirement, pip_wheels[0].name
 
     def _compiled(self, item: LockedInput, wheel_dir: Path) -> Path:
-        dest = wheel_dir / item.filename
+        dest = wheel_dir / plain_name(item.filename)
         hit = self.cache.lookup(item.sha256, size=item.size)
         if hit is not None:
             staging.place(hit, dest)
@@ -263,7 +290,8 @@ class Build:
         """The base medium and the base's key; the staging medium."""
         defn = self.defn
         self.files = files
-        self.base_keys = staging.split_apt(defn, files, self.lock.base_packages)
+        self.base_keys = closure.apt_closures(defn, files, self.lock.base_packages)
+        staging.check_archives(files)
         base_tree = work / "base-medium"
         pip_path = next(w for w in wheels if w.name == pip_wheel)
         staging.base_tree(base_tree, defn, files, self.base_keys, pip_wheel=pip_path)
@@ -395,7 +423,9 @@ class Build:
             )
             dom = stack.enter_context(conn.domain(domain_xml(spec)))
             log.info("installing the base (console: %s)", console)
-            result = Watcher(dom, console, data, listener, self.watchdog).run()
+            result = Watcher(
+                dom, console, data, listener, self.watchdog, on_phase=self.phases.vm_phase("install")
+            ).run()
             self.webhook_events = listener.received if listener is not None else 0
         self.paths["disk"] = disk
         self.paths["export"] = export
@@ -480,7 +510,9 @@ class Build:
             )
             dom = stack.enter_context(conn.domain(domain_xml(spec)))
             log.info("provisioning boot of the base %s (console: %s)", installed.key[:16], console)
-            result = ProvisionWatcher(dom, console, data, None, self.watchdog).run()
+            result = ProvisionWatcher(
+                dom, console, data, None, self.watchdog, on_phase=self.phases.vm_phase("provision")
+            ).run()
         self.paths["disk"] = overlay
         return result
 
@@ -575,7 +607,11 @@ class Build:
             "artifacts": {
                 a.name: {"version": a.version, "destination": a.destination} for a in defn.artifacts
             },
-            "agent": {"venv": defn.agent.venv, "config_dir": defn.agent.config_dir},
+            "agent": {
+                "venv": defn.agent.venv,
+                "config_dir": defn.agent.config_dir,
+                "source": self.agent_source.to_json(),
+            },
             "phases": phases,
             "tools": tools,
             "installed_size": result.installed_size,
@@ -603,6 +639,25 @@ class Build:
     # -- the whole build -------------------------------------------------------------------------
 
     def run(self) -> BuildResult:
+        """The whole build; its outcome is reported as the progress log's ``result``."""
+        try:
+            result = self._run()
+        except KeyboardInterrupt:
+            self.progress.emit("result", outcome="interrupted")
+            raise
+        except BuildError as exc:
+            self.progress.emit("result", outcome="failed", exit_code=exc.exit_code)
+            raise
+        except BaseException:
+            self.progress.emit("result", outcome="failed", exit_code=1)
+            raise
+        else:
+            self.progress.emit("result", outcome="published", folder=str(result.folder))
+            return result
+        finally:
+            self.progress.close()
+
+    def _run(self) -> BuildResult:
         phase = self.phases.phase
         with phase("check"):
             self.check()
@@ -611,7 +666,7 @@ class Build:
             if self.opts.keep_work:
                 log.info("work directory (kept): %s", work)
             else:
-                stack.callback(shutil.rmtree, work, True)
+                stack.callback(_remove_tree, work)
             with phase("fetch"):
                 files = self.fetch()
             with phase("wheelhouse"):
@@ -646,7 +701,7 @@ class Build:
                 manifest["phases"].append(self.phases.records[-1])
             outputs.write_json(partial / "manifest.json", manifest)
             outputs.finish_folder(partial, key=self.opts.key)
-            folder = outputs.publish(partial, self.opts.out / self.build_id)
+            folder = interrupt.commit(lambda: outputs.publish(partial, self.opts.out / self.build_id))
         log.info("build %s done in %.0f s: %s", self.build_id, time.time() - self.started, folder)
         return BuildResult(self.build_id, folder, manifest)
 
@@ -690,6 +745,12 @@ class Build:
             out.write(f"\n==== the provisioning boot (build {self.build_id})\n".encode())
             with self.paths["console"].open("rb") as fh:
                 shutil.copyfileobj(fh, out)
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove the work directory to the end, even while a second Ctrl-C arrives."""
+    with interrupt.deferred():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def build(opts: BuildOptions) -> BuildResult:

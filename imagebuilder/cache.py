@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,18 @@ from imagebuilder.fetch import DEFAULT_RETRY, Retry, download
 log = logging.getLogger(__name__)
 
 HASH_CHUNK = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_KEY = re.compile(r"(url-)?[0-9a-f]{64}")
+_DIGEST_HINT = "digests come from the lock: run `imagebuilder lock` again and review the diff"
+
+
+def check_digest(sha256: str) -> str:
+    """``sha256`` when it is 64 lower-case hex digits, else :class:`VerificationError`."""
+    if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256):
+        raise VerificationError(
+            f"{sha256!r} is not a sha256 digest (64 lower-case hex digits)", hint=_DIGEST_HINT
+        )
+    return sha256
 
 
 def default_cache_dir() -> Path:
@@ -63,7 +76,9 @@ class Cache:
         self._verified: dict[str, tuple[int, int]] = {}  # sha -> (size, mtime_ns) hashed in this process
 
     def entry(self, sha256: str) -> Path:
-        return self.root / "sha256" / sha256[:2] / sha256
+        """Where the entry of ``sha256`` lives; anything but 64 lower-case hex digits is refused (it would
+        be a path: an absolute one replaces the cache root)."""
+        return self.root / "sha256" / check_digest(sha256)[:2] / sha256
 
     def _ensure(self) -> None:
         for sub in ("sha256", "partial", "locks"):
@@ -71,6 +86,8 @@ class Cache:
 
     @contextlib.contextmanager
     def _locked(self, key: str) -> Iterator[None]:
+        if not _KEY.fullmatch(key):
+            raise VerificationError(f"cache key {key!r} is not a digest", hint=_DIGEST_HINT)
         self._ensure()
         with (self.root / "locks" / f"{key}.lock").open("w") as handle:
             try:

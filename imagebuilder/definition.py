@@ -16,24 +16,23 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from imagebuilder import schemacheck
 from imagebuilder.errors import DefinitionError
 
 SCHEMA_RESOURCE = "definition.schema.json"
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 DEFAULT_KERNEL_ARGS: tuple[str, ...] = ()  # extra arguments after `---`: carried into the installed system
+MAX_DEFINITION_BYTES = 1 << 20  # read no more than this before parsing
 
 
 def schema() -> dict[str, Any]:
     """The definition's JSON Schema (shipped as package data, for editors too)."""
-    text = resources.files("imagebuilder.schemas").joinpath(SCHEMA_RESOURCE).read_text(encoding="utf-8")
-    loaded: dict[str, Any] = json.loads(text)
-    return loaded
+    return schemacheck.load_schema(SCHEMA_RESOURCE)
 
 
 @dataclass(frozen=True)
@@ -149,11 +148,13 @@ class Unit:
     enable: bool = False
 
 
+#: Packaged units go to /usr/lib/systemd/system (the vendor layer); /etc/systemd/system stays the
+#: administrator's, and ``systemctl enable`` links the unit from multi-user.target.wants there.
 DEFAULT_UNITS = (
-    Unit("agent/systemd/nodeagent.service", "/etc/systemd/system/nodeagent.service", True),
+    Unit("agent/systemd/nodeagent.service", "/usr/lib/systemd/system/nodeagent.service", True),
     Unit(
         "agent/systemd/kubelet.service.d/10-nodeagent.conf",
-        "/etc/systemd/system/kubelet.service.d/10-nodeagent.conf",
+        "/usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf",
     ),
 )
 
@@ -256,26 +257,9 @@ def _substitute(value: Any, where: str, environ: Mapping[str, str]) -> Any:
     return value
 
 
-def _error_path(path: Any) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(top level)"
-
-
 def validate(data: object) -> list[str]:
     """Schema errors as ``path: message`` lines, sorted by path; empty when valid."""
-    from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import best_match
-
-    validator = Draft202012Validator(schema())
-    messages = []
-    for error in validator.iter_errors(data):
-        chosen = best_match(error.context) if error.context else error
-        if chosen is None:  # pragma: no cover - best_match of a non-empty context
-            chosen = error
-        messages.append(f"{_error_path(chosen.absolute_path)}: {chosen.message}")
-    return sorted(set(messages))
+    return schemacheck.validate(schema(), data)
 
 
 def canonical_sha256(data: object) -> str:
@@ -286,9 +270,15 @@ def load_definition(path: Path, *, environ: Mapping[str, str] | None = None) -> 
     """Read, substitute, validate and resolve ``path``; raise :class:`DefinitionError` with every problem."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_DEFINITION_BYTES + 1)
     except OSError as exc:
         raise DefinitionError(f"cannot read the definition {path}: {exc.strerror}") from exc
+    if len(raw) > MAX_DEFINITION_BYTES:
+        raise DefinitionError(
+            f"{path} is larger than {MAX_DEFINITION_BYTES >> 10} KiB: not a definition",
+            hint="a definition is a short YAML file; check that the path names the definition",
+        )
     try:
         data = yaml.safe_load(raw.decode("utf-8"))
     except (UnicodeDecodeError, yaml.YAMLError) as exc:

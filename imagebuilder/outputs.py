@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from imagebuilder import interrupt
 from imagebuilder.errors import OutputError
 from imagebuilder.run import run
 
@@ -112,7 +113,8 @@ def partial_folder(out: Path, build_id: str) -> Iterator[Path]:
         yield partial
     finally:
         if partial.exists():
-            shutil.rmtree(partial, ignore_errors=True)
+            with interrupt.deferred():  # never half a folder left behind
+                shutil.rmtree(partial, ignore_errors=True)
 
 
 def publish(partial: Path, final: Path) -> Path:

@@ -10,7 +10,6 @@ target's Python, compiling source-only requirements on a host that matches the t
 from __future__ import annotations
 
 import logging
-import urllib.parse
 from pathlib import Path
 
 from imagebuilder import aptindex, media, wheelhouse
@@ -18,14 +17,13 @@ from imagebuilder.cache import Cache
 from imagebuilder.definition import AptRepository, Checksums, Definition
 from imagebuilder.errors import LockError, VerificationError
 from imagebuilder.fetch import fetch_small
-from imagebuilder.lock import FIRST_USE, LockedInput
+from imagebuilder.lock import FIRST_USE, LockedInput, plain_name, url_basename
 from imagebuilder.openpgp import checksum_for, verify_detached
 
 log = logging.getLogger(__name__)
 
 
-def _basename(url: str) -> str:
-    return urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+_basename = url_basename
 
 
 def expected_digest(
@@ -249,7 +247,7 @@ class Resolver:
         defn = self.defn
         agent_dir, compiled_dir, prebuilt_dir = workdir / "agent", workdir / "compiled", workdir / "prebuilt"
         prebuilt_dir.mkdir(parents=True, exist_ok=True)
-        agent_wheel = wheelhouse.build_agent_wheel(defn.agent.source, agent_dir)
+        agent_wheel, _source = wheelhouse.build_agent_wheel(defn.agent.source, agent_dir)
         agent_name, _version, requires = wheelhouse.wheel_metadata(agent_wheel)
         self.agent_requires = wheelhouse.requirements_for(requires, defn.agent.extras)
         compiled: set[str] = set()
@@ -296,7 +294,9 @@ class Resolver:
             compiled.add(sdist.name)
         for item in self.inputs:
             if item.role == "wheelhouse" and item.kind == "wheel":
-                (prebuilt_dir / item.filename).write_bytes(self.cache.entry(item.sha256).read_bytes())
+                (prebuilt_dir / plain_name(item.filename)).write_bytes(
+                    self.cache.entry(item.sha256).read_bytes()
+                )
                 compiled.add(wheelhouse.normalise(item.filename.split("-")[0]))
         extras = ",".join(defn.agent.extras)
         requirement = f"{agent_wheel}[{extras}]" if extras else str(agent_wheel)

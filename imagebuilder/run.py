@@ -40,6 +40,7 @@ TOOL_PACKAGES: dict[str, str] = {
     "virsh": "libvirt-clients",
     "tar": "tar",
     "swtpm": "swtpm",
+    "git": "git",
 }
 
 BASE_ENV = {"LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"}

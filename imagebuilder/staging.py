@@ -35,24 +35,24 @@ digest: the manifest carries it and the boot test checks it inside the booted im
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import stat
 import tarfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imagebuilder import aptindex, aptrepo
+from imagebuilder import aptrepo
 from imagebuilder.autoinstall import PROVISION_INIT, STAGE_SCRIPT, template_text
 from imagebuilder.definition import Definition
 from imagebuilder.errors import BuildError
-from imagebuilder.lock import LockedInput
-from imagebuilder.run import run
+from imagebuilder.lock import LockedInput, plain_name
 
 #: Where the installer puts the provisioning hook in the base; it removes itself when it is done.
 PROVISION_HOOK = "/usr/lib/nodetrust/provision-init"
@@ -90,6 +90,8 @@ def _write_plan(tree: Path, plan: list[str]) -> list[str]:
     for line in plan:
         if any(not field for field in line.split("\t")):
             raise BuildError(f"staging plan line with an empty field: {line!r}")
+        if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in line):
+            raise BuildError(f"staging plan line with a control character: {line!r}")
     (tree / "plan.tsv").write_text("\n".join(plan) + "\n", encoding="utf-8")
     return plan
 
@@ -98,46 +100,6 @@ def _start(tree: Path) -> None:
     tree.mkdir(parents=True, exist_ok=True)
     (tree / "stage.sh").write_text(template_text(STAGE_SCRIPT), encoding="utf-8")
     (tree / "stage.sh").chmod(0o755)
-
-
-# -- which apt packages belong to the base ----------------------------------------------------
-
-
-def split_apt(defn: Definition, files: Sequence[StagedFile], base_packages: Mapping[str, str]) -> set[str]:
-    """Keys of the ``apt`` inputs that go into the installed base: the definition's ``packages`` and
-    their dependency closure (resolved again here, among the locked debs, like the lock did).
-
-    Everything else the lock installs (the installed Kubernetes version and what it needs) goes
-    into the staging plan, so a new Kubernetes version reuses the base.
-    """
-    apt = [f for f in files if f.item.role == "apt"]
-    if not defn.packages or not apt:
-        return set()
-    entries: list[aptindex.PackageEntry] = []
-    by_name: dict[str, StagedFile] = {}
-    for staged in apt:
-        if not staged.item.key.startswith("deb/"):
-            continue
-        control = aptindex.parse_stanzas(run(["dpkg-deb", "--field", str(staged.path)]).text)[0]
-        relations = ", ".join(v for k in ("Pre-Depends", "Depends") if (v := control.get(k)))
-        entries.append(
-            aptindex.PackageEntry(
-                name=control["Package"],
-                version=control["Version"],
-                architecture=control["Architecture"],
-                url=staged.path.as_uri(),
-                size=staged.item.size,
-                sha256=staged.item.sha256,
-                repository="lock",
-                depends=tuple(tuple(group) for group in aptindex.parse_relations(relations)),
-                provides=tuple(
-                    r.name for group in aptindex.parse_relations(control.get("Provides", "")) for r in group
-                ),
-            )
-        )
-        by_name[control["Package"]] = staged
-    resolution = aptindex.resolve([(p.name, p.version) for p in defn.packages], entries, base_packages)
-    return {by_name[name].item.key for name in resolution.selected if name in by_name}
 
 
 # -- the base medium --------------------------------------------------------------------------
@@ -157,7 +119,7 @@ def base_tree(
     apt_items = [f for f in files if f.item.role == "apt" and f.item.key in base_keys]
     if apt_items:
         for staged in apt_items:
-            place(staged.path, tree / "apt" / staged.item.filename)
+            place(staged.path, tree / "apt" / plain_name(staged.item.filename))
         aptrepo.make_flat_repo(tree / "apt")
         names = {f.item.name for f in apt_items}
         install = [str(p) for p in defn.packages if p.name in names]
@@ -205,7 +167,7 @@ def build_tree(
     apt_items = [f for f in files if f.item.role == "apt" and f.item.key not in base_keys]
     if apt_items:
         for staged in apt_items:
-            place(staged.path, tree / "apt" / staged.item.filename)
+            place(staged.path, tree / "apt" / plain_name(staged.item.filename))
         aptrepo.make_flat_repo(tree / "apt")
         names = {f.item.name for f in apt_items}
         install = [str(p) for p in defn.packages if p.name in names]
@@ -221,15 +183,15 @@ def build_tree(
         if item.role != "stage":
             continue
         if item.kind == "deb" and item.key.startswith("kubernetes/"):
-            rel = f"staged/{item.key.split('/')[1]}/{item.filename}"
+            rel = f"staged/{plain_name(item.key.split('/')[1], 'version')}/{plain_name(item.filename)}"
             place(staged.path, tree / rel)
             plan.append(f"file\t{rel}\t{_dest_file(item.destination, item.filename)}\t0644")
         elif item.kind == "tarball":
-            rel = f"files/{item.name}/{item.filename}"
+            rel = f"files/{plain_name(item.name, 'name')}/{plain_name(item.filename)}"
             place(staged.path, tree / rel)
             plan.append(f"tarball\t{rel}\t{item.destination}\t{item.strip_components}")
         elif item.kind in ("binary", "oci-archive", "deb"):
-            rel = f"files/{item.name}/{item.filename}"
+            rel = f"files/{plain_name(item.name, 'name')}/{plain_name(item.filename)}"
             place(staged.path, tree / rel)
             plan.append(f"file\t{rel}\t{_dest_file(item.destination, item.filename)}\t{_mode(item)}")
         else:
@@ -294,15 +256,51 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _tar_members(staged: StagedFile) -> list[dict[str, Any]]:
+def _tar_refusal(member: tarfile.TarInfo, parts: list[str], links: set[str]) -> str:
+    """Why the staging plan must not extract ``member`` into the target (empty: it may)."""
+    if member.name.startswith("/"):
+        return "has an absolute name"
+    if ".." in parts:
+        return "has a .. component"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in member.name):
+        return "has a control character in its name"
+    for depth in range(1, len(parts)):
+        if "/".join(parts[:depth]) in links:
+            return f"lies under the symbolic link {'/'.join(parts[:depth])} (extracting it would write through the link)"
+    if member.ischr() or member.isblk() or member.isfifo():
+        return "is a device or a FIFO"
+    if member.islnk():
+        target = [p for p in member.linkname.split("/") if p not in ("", ".")]
+        if member.linkname.startswith("/") or ".." in target:
+            return f"is a hard link to {member.linkname!r}, outside the archive"
+    if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+        return "is of a type the staging plan does not extract"
+    return ""
+
+
+@functools.lru_cache(maxsize=64)
+def _tar_members(staged: StagedFile) -> tuple[dict[str, Any], ...]:
+    """What an artifact tarball puts where, after checking every member (:func:`_tar_refusal`):
+    a tarball with a member that is absolute, has ``..``, is a device or FIFO, a hard link out of the
+    archive, or lies under one of its own symbolic links is refused before any VM runs."""
     item = staged.item
     strip = item.strip_components
     out: list[dict[str, Any]] = []
+    links: set[str] = set()
     try:
         with tarfile.open(staged.path) as archive:
             for member in archive:
                 parts = [p for p in member.name.split("/") if p not in ("", ".")]
-                if len(parts) <= strip or ".." in parts:
+                why = _tar_refusal(member, parts, links)
+                if why:
+                    raise BuildError(
+                        f"{item.name}: {staged.path.name}: member {member.name!r} {why}: refused",
+                        hint="the staging plan extracts artifact tarballs into the image as they are; this one "
+                        "could write outside its destination. Check the upstream tarball (its digest is locked)",
+                    )
+                if member.issym():
+                    links.add("/".join(parts))
+                if len(parts) <= strip:
                     continue
                 path = item.destination.rstrip("/") + "/" + "/".join(parts[strip:])
                 entry: dict[str, Any] = {"group": f"{item.name} {item.version}", "path": path}
@@ -321,7 +319,15 @@ def _tar_members(staged: StagedFile) -> list[dict[str, Any]]:
                 out.append(entry)
     except (tarfile.TarError, OSError) as exc:
         raise BuildError(f"{item.name}: cannot read {staged.path.name} as a tar archive: {exc}") from exc
-    return out
+    return tuple(out)
+
+
+def check_archives(files: Sequence[StagedFile]) -> None:
+    """Read every artifact tarball once, before any VM: a member that could land outside its
+    destination fails the build here (:func:`_tar_members`)."""
+    for staged in files:
+        if staged.item.role == "stage" and staged.item.kind == "tarball":
+            _tar_members(staged)
 
 
 def staged_files(defn: Definition, files: Sequence[StagedFile]) -> list[dict[str, Any]]:
@@ -333,7 +339,7 @@ def staged_files(defn: Definition, files: Sequence[StagedFile]) -> list[dict[str
         if item.role != "stage":
             continue
         if item.kind == "tarball":
-            out += _tar_members(staged)
+            out += list(_tar_members(staged))
             continue
         if item.kind == "deb" and item.key.startswith("kubernetes/"):
             group = f"kubernetes {item.key.split('/')[1]} (staged)"

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from imagebuilder import interrupt
 from imagebuilder.domain import NT_NS
 from imagebuilder.errors import VmError
 
@@ -160,15 +161,16 @@ class Domain:
                 self.dom.destroy()
 
     def remove(self) -> None:
-        """Destroy (if running) and undefine, NVRAM included."""
+        """Destroy (if running) and undefine, NVRAM included; a signal meanwhile waits until it is done."""
         libvirt = _libvirt()
-        self.destroy()
-        flags = getattr(libvirt, "VIR_DOMAIN_UNDEFINE_NVRAM", 0)
-        try:
-            self.dom.undefineFlags(flags)
-        except libvirt.libvirtError:
-            with contextlib.suppress(libvirt.libvirtError):
-                self.dom.undefine()
+        with interrupt.deferred():
+            self.destroy()
+            flags = getattr(libvirt, "VIR_DOMAIN_UNDEFINE_NVRAM", 0)
+            try:
+                self.dom.undefineFlags(flags)
+            except libvirt.libvirtError:
+                with contextlib.suppress(libvirt.libvirtError):
+                    self.dom.undefine()
         log.debug("build VM %s removed", self.name)
 
 

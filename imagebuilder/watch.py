@@ -312,8 +312,10 @@ class Watcher:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        on_phase: Callable[[str], None] | None = None,
     ) -> None:
         self.domain = domain
+        self.on_phase = on_phase or (lambda _phase: None)
         self.console = LineTail(console)
         self.data_tail = LineTail(data)
         self.data = DataPort()
@@ -347,6 +349,7 @@ class Watcher:
         log.info("phase %s done after %.0f s; now %s", self.phase, now - self.phase_started, phase)
         self.phase, self.phase_started = phase, now
         self.phases.append(PhaseTiming(phase, self.wall()))
+        self.on_phase(phase)
 
     def _event(self, event: InstallerEvent) -> None:
         self.events += 1
@@ -467,6 +470,7 @@ class Watcher:
         self._idle_fail(what, limit, hint)
 
     def run(self) -> WatchResult:
+        self.on_phase(self.phase)  # the VM is running: its first phase begins
         while True:
             if self._drain():
                 self.last_activity = self.clock()

@@ -110,11 +110,16 @@ def test_the_image_contents_match_the_manifest(full_build: Build) -> None:
             site = "/opt/nodeagent/venv/lib/python3.11/site-packages"
             assert {"agent", "protocol", "tpm2_pytss", "cryptography"} <= set(files.listdir(site))
             assert files.exists("/opt/nodeagent/venv/bin/nodeagent")
-            unit = files.text("/etc/systemd/system/nodeagent.service")
+            # packaged units in the vendor layer; /etc/systemd/system holds only the enablement link
+            unit = files.text("/usr/lib/systemd/system/nodeagent.service")
             assert unit == (REPO / "agent/systemd/nodeagent.service").read_text()
             wants = "/etc/systemd/system/multi-user.target.wants/nodeagent.service"
-            assert files.symlink_target(wants) == "/etc/systemd/system/nodeagent.service"
-            assert files.exists("/etc/systemd/system/kubelet.service.d/10-nodeagent.conf")
+            # systemd of a merged-/usr Debian 12 finds the unit through /lib first; Ubuntu 24.04's through /usr/lib
+            assert files.symlink_target(wants) in {"/usr/lib/systemd/system/nodeagent.service",
+                                                   "/lib/systemd/system/nodeagent.service"}  # fmt: skip
+            assert files.exists("/usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf")
+            assert not files.exists("/etc/systemd/system/nodeagent.service")
+            assert not files.exists("/etc/systemd/system/kubelet.service.d/10-nodeagent.conf")
             info = json.loads(files.text("/etc/nodetrust/image.json"))
             assert info["build_id"] == manifest["build_id"]
             # the node's own first boot belongs to its datasource, not to the installer's cloud-init

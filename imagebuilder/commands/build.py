@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+from imagebuilder import interrupt
 from imagebuilder.build import BuildOptions, build
 from imagebuilder.cache import default_cache_dir
 from imagebuilder.errors import DefinitionError
@@ -92,6 +91,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--key", type=Path, default=None, help="sign the build folder with this private key")
     parser.add_argument("--keep-work", action="store_true", help="keep the work directory (for debugging)")
     parser.add_argument(
+        "--progress",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="append one JSON object per line to FILE as the build starts and ends each phase (and each phase "
+        "of its VMs), then its result: for CI and tests (docs/building-images.md, Progress events)",
+    )
+    parser.add_argument(
         "--no-test",
         dest="boot_test",
         action="store_false",
@@ -101,17 +108,12 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def run(args: argparse.Namespace) -> int:
     if args.verbose == 0:
         logging.getLogger("imagebuilder").setLevel(logging.INFO)
     if args.definition.suffix not in (".yaml", ".yml"):
         raise DefinitionError(f"{args.definition}: expected a .yaml definition")
-    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM cleans up like Ctrl-C
-    try:
+    with interrupt.stop_on_signals():  # Ctrl-C and SIGTERM, even if inherited ignored, stop and clean up
         result = build(
             BuildOptions(
                 definition=args.definition,
@@ -128,9 +130,8 @@ def run(args: argparse.Namespace) -> int:
                 base_cache=args.base_cache,
                 full=args.full,
                 boot_test=args.boot_test,
+                progress=args.progress,
             )
         )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     print(result.folder)
     return 0

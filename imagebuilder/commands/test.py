@@ -6,12 +6,10 @@ import argparse
 import json
 import logging
 import os
-import signal
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
-from imagebuilder import boottest
+from imagebuilder import boottest, interrupt
 from imagebuilder.accel import boot_id, choose_accel
 from imagebuilder.buildfolder import MANIFEST, QCOW2_MEDIA_TYPE
 from imagebuilder.cache import default_cache_dir
@@ -165,10 +163,6 @@ def _accel(requested: str, arch: str, cache_dir: Path) -> tuple[str, str]:
     return choose_accel(requested, kernels[-1] if kernels else Path("/nonexistent"), arch, cache_dir)
 
 
-def _terminate(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def _check_report_path(report: Path, folder: Path | None) -> None:
     if folder is None:
         return
@@ -190,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
     accel, why = _accel(args.accel, arch, args.cache_dir or default_cache_dir())
     log.info("accelerator: %s (%s)", accel, why)
     work_root = args.work_dir or Path(os.environ.get("TMPDIR", "/var/tmp"))  # noqa: S108 - a private mkdtemp
-    previous = signal.signal(signal.SIGTERM, _terminate)  # SIGTERM removes the VM like Ctrl-C
-    try:
+    with interrupt.stop_on_signals():  # Ctrl-C and SIGTERM, even if inherited ignored, remove the VM
         verdict = boottest.run_boot_test(
             boottest.BootTestOptions(
                 image=image,
@@ -203,8 +196,6 @@ def run(args: argparse.Namespace) -> int:
                 total_s=args.timeout,
             )
         )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     if args.report is not None:
         boottest.write_report(args.report, verdict)
     if args.json:

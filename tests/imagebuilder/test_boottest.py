@@ -88,7 +88,7 @@ def test_expect_json_comes_from_the_manifest(manifest: dict[str, Any], payload_r
     }
     spire = [e for e in expect["files"] if e["group"] == "spire-agent 1.14.1"]
     assert any(e["path"] == "/opt/spire/1.14.1/bin/spire-agent" and e["mode"] == "0755" for e in spire)
-    unit = by_path["/etc/systemd/system/nodeagent.service"]
+    unit = by_path["/usr/lib/systemd/system/nodeagent.service"]
     assert (
         unit["sha256"] == hashlib.sha256((REPO / "agent/systemd/nodeagent.service").read_bytes()).hexdigest()
     )

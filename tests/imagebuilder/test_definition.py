@@ -59,8 +59,8 @@ def test_defaults(tmp_path: Path) -> None:
     assert defn.disk_size_bytes == 20 * 2**30
     assert defn.agent.venv == "/opt/nodeagent/venv"
     assert [u.destination for u in defn.agent.units] == [
-        "/etc/systemd/system/nodeagent.service",
-        "/etc/systemd/system/kubelet.service.d/10-nodeagent.conf",
+        "/usr/lib/systemd/system/nodeagent.service",
+        "/usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf",
     ]
     assert defn.watchdog.boot > 0 and defn.watchdog.total > defn.watchdog.install
 

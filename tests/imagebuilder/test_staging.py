@@ -57,7 +57,7 @@ def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
     assert f"file\tfiles/tool/{spire.name}\t/usr/local/bin/tool\t0755" in plan
     assert "dir\t/etc/nodeagent\t0700" in plan
     assert f"venv\t/opt/nodeagent/venv\tnodetrust[agent]==0.1.0\t{wheel.name}" in plan
-    assert "file\tunits/agent_systemd_nodeagent.service\t/etc/systemd/system/nodeagent.service\t0644" in plan
+    assert "file\tunits/agent_systemd_nodeagent.service\t/usr/lib/systemd/system/nodeagent.service\t0644" in plan
     assert "enable\tnodeagent.service\trequired" in plan
     assert "enable\tsystemd-time-wait-sync.service\toptional" in plan
     assert "user\tnodeadmin\tyes\t/bin/bash\tkeys/nodeadmin.keys" in plan
