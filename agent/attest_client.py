@@ -10,12 +10,19 @@ real SPIRE server with spire-tpm-plugin. The transport is grpclib over a
 from __future__ import annotations
 
 import asyncio
+import binascii
 import logging
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.errors import AttestationRefusedError, ServerNotTrustedError, ServerUnavailableError, TpmError
+from agent.errors import (
+    AttestationRefusedError,
+    RefusedForNowError,
+    ServerNotTrustedError,
+    ServerUnavailableError,
+)
+from agent.refusals import DetailsCodec, Rpc, from_grpc_error
 from agent.svid import Svid, SvidStore, make_csr, new_key
 from agent.tls import SpiffeTLSContext
 from agent.tpm.attestor import TpmAttestor
@@ -33,14 +40,6 @@ from protocol.tpm_payload import (
 log = logging.getLogger(__name__)
 
 ATTEST_METHOD = "/spire.api.server.agent.v1.Agent/AttestAgent"
-# gRPC status codes after which retrying the same evidence cannot help.
-PERMANENT_STATUSES = {
-    "INVALID_ARGUMENT",
-    "PERMISSION_DENIED",
-    "FAILED_PRECONDITION",
-    "RESOURCE_EXHAUSTED",
-    "UNIMPLEMENTED",
-}
 
 
 @dataclass(frozen=True)
@@ -58,19 +57,6 @@ class ServerTarget:
         return cls(host.strip("[]"), int(port), trust_domain, bundle_pem)
 
 
-def _hint_for(status: str, message: str) -> str:
-    if "banned" in message:
-        return "an operator banned this node: `nodeserver agents unban <SPIFFE ID>` lifts it"
-    if "could not validate EK" in message or "ek_" in message or "EK" in message:
-        return (
-            "the server does not trust this TPM's EK: add the manufacturer CA to the server's ek_trust.ca_dir, "
-            "or add the EK hash (nodeagent attest --print-ek-hash) to ek_trust.hash_dir"
-        )
-    if status == "DEADLINE_EXCEEDED":
-        return "the TPM or the network was too slow; check the TPM and retry"
-    return "see the server's audit log for this attempt"
-
-
 async def attest_async(
     target: ServerTarget,
     attestor: TpmAttestor,
@@ -79,10 +65,6 @@ async def attest_async(
     timeout: float = 60.0,
 ) -> Svid:
     """Attest with the TPM, store the new key and SVID, and return the SVID."""
-    from grpclib.client import Channel
-    from grpclib.const import Cardinality
-    from grpclib.exceptions import GRPCError, StreamTerminatedError
-
     expected = server_id(target.trust_domain)
     try:
         tls = SpiffeTLSContext(target.bundle_pem, [expected])
@@ -93,8 +75,26 @@ async def attest_async(
     key = new_key()
     store.write_key(key)
     csr = make_csr(key)
+    try:
+        svid = await _exchange(target, tls, attestor, csr, timeout)
+    except BaseException:
+        store.discard_pending()  # the new key never became an SVID's key
+        raise
+    store.commit(svid, target.bundle_pem)
+    log.info("attested as %s; SVID valid until %s", svid.spiffe_id, svid.expires.isoformat())
+    return svid
+
+
+async def _exchange(
+    target: ServerTarget, tls: SpiffeTLSContext, attestor: TpmAttestor, csr: bytes, timeout: float
+) -> Svid:
+    """The AttestAgent stream; transport and server errors become :class:`AgentError` subclasses."""
+    from grpclib.client import Channel
+    from grpclib.const import Cardinality
+    from grpclib.exceptions import GRPCError, StreamTerminatedError
+
     payload = encode_attestation_data(attestor.attestation_data())
-    channel = Channel(target.host, target.port, ssl=tls)
+    channel = Channel(target.host, target.port, ssl=tls, status_details_codec=DetailsCodec())
     try:
         async with channel.request(
             ATTEST_METHOD,
@@ -120,7 +120,10 @@ async def attest_async(
             try:
                 credential = decode_challenge(reply.challenge)
             except ProtocolError as exc:
-                raise AttestationRefusedError(f"the server's challenge is malformed: {exc}") from exc
+                raise AttestationRefusedError(
+                    f"the server's challenge is malformed: {exc}",
+                    hint="the server's tpm attestor speaks another version of the protocol",
+                ) from exc
             secret = attestor.activate(credential)
             # Half-close with the answer: the server ends the stream right after the result.
             await stream.send_message(
@@ -128,10 +131,15 @@ async def attest_async(
             )
             result = await stream.recv_message()
             if result is None or result.WhichOneof("step") != "result":
-                raise AttestationRefusedError("the server answered the challenge without a result")
+                raise RefusedForNowError(
+                    "the server answered the challenge without a result",
+                    hint="see the server's log for this attempt; the agent retries",
+                )
             svid_msg = result.result.svid
             if not svid_msg.cert_chain:
-                raise AttestationRefusedError("the server returned an empty SVID")
+                raise AttestationRefusedError(
+                    "the server returned an empty SVID", hint="see the server's log"
+                )
             svid = Svid(
                 spiffe_id=f"spiffe://{svid_msg.id.trust_domain}{svid_msg.id.path}",
                 cert_chain_der=tuple(svid_msg.cert_chain),
@@ -139,34 +147,24 @@ async def attest_async(
                 reattestable=result.result.reattestable,
             )
     except GRPCError as exc:
-        store.discard_pending()
-        status = exc.status.name
-        message = exc.message or status
-        raise AttestationRefusedError(
-            f"attestation refused by the server ({status}): {message}",
-            hint=_hint_for(status, message),
-            code=status,
-            permanent=status in PERMANENT_STATUSES,
+        raise from_grpc_error(Rpc.ATTEST, exc) from exc
+    except binascii.Error as exc:  # grpclib could not even base64-decode the status details
+        raise RefusedForNowError(
+            f"the server at {target.host}:{target.port} sent an unreadable status trailer: {exc}",
+            hint="a proxy between the agent and the server may mangle gRPC trailers; the agent retries",
         ) from exc
     except ssl.SSLCertVerificationError as exc:
-        store.discard_pending()
         raise ServerNotTrustedError(
             f"the server at {target.host}:{target.port} is not trusted: {getattr(exc, 'verify_message', None) or exc.args[0]}",
             hint=f"check --bundle (it must hold the CA of {target.trust_domain}) and --trust-domain",
         ) from exc
     except (TimeoutError, OSError, StreamTerminatedError) as exc:
-        store.discard_pending()
         raise ServerUnavailableError(
             f"cannot reach the server at {target.host}:{target.port}: {exc or type(exc).__name__}",
             hint="check the address, that nodeserver runs, and the network; the agent retries on its own",
         ) from exc
-    except (TpmError, AttestationRefusedError):
-        store.discard_pending()
-        raise
     finally:
         channel.close()
-    store.commit(svid, target.bundle_pem)
-    log.info("attested as %s; SVID valid until %s", svid.spiffe_id, svid.expires.isoformat())
     return svid
 
 

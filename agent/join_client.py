@@ -1,16 +1,31 @@
-"""The join request: the verification report to the broker over mutual TLS with the agent SVID."""
+"""The join broker's client: RequestJoin and ReportJoined over mutual TLS with the agent SVID.
+
+``request_join_async`` sends the verification report and returns the one-time
+:class:`JoinGrant`; ``report_joined_async`` tells the broker, after ``kubeadm join``
+succeeded, that the token was used, so the broker revokes it at once. Refusals become
+errors through :mod:`agent.refusals` (status and reason slug, never the message text).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import binascii
 import logging
+import re
 import secrets
 import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from agent.errors import JoinRefusedError, ServerNotTrustedError, ServerUnavailableError
+from agent.errors import (
+    JoinConfigError,
+    RefusedForNowError,
+    ServerNotTrustedError,
+    ServerUnavailableError,
+)
+from agent.refusals import DetailsCodec, Rpc, from_grpc_error
 from agent.tls import SpiffeTLSContext
 from protocol._gen.nodetrust.join.v1 import join_pb2
 from protocol.spiffe import server_id
@@ -18,8 +33,9 @@ from protocol.spiffe import server_id
 log = logging.getLogger(__name__)
 
 JOIN_METHOD = "/nodetrust.join.v1.Join/RequestJoin"
-# Refusals that a retry with the same evidence cannot change.
-PERMANENT = {"PERMISSION_DENIED", "INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "UNIMPLEMENTED"}
+REPORT_METHOD = "/nodetrust.join.v1.Join/ReportJoined"
+_METHODS = {Rpc.JOIN: JOIN_METHOD, Rpc.REPORT_JOINED: REPORT_METHOD}
+_TOKEN_ID_RE = re.compile(r"[a-z0-9]{6}")
 
 
 @dataclass(frozen=True)
@@ -40,20 +56,6 @@ class JoinGrant:
         return f"JoinGrant(token=<redacted>, endpoint={self.api_server_endpoint}, expires={self.token_expires_at})"
 
 
-def _hint(status: str, message: str) -> str:
-    if "not attested" in message or "has not attested" in message:
-        return "the server does not know this node (its store was reset?): the agent attests again"
-    if "banned" in message:
-        return "an operator banned this node: `nodeserver agents unban <SPIFFE ID>`"
-    if "fails pool" in message:
-        return "fix the failing checks (nodeagent check --pool <profile>) or join another pool"
-    if "unknown pool" in message:
-        return "set pool to one of the pools the server lists"
-    if "off the server's clock" in message:
-        return "synchronise the clock (chrony, systemd-timesyncd)"
-    return "see the server's audit log for this request"
-
-
 async def request_join_async(
     address: str,
     *,
@@ -66,17 +68,8 @@ async def request_join_async(
     report: bytes,
     timeout: float = 60.0,
 ) -> JoinGrant:
-    from grpclib.client import Channel
-    from grpclib.const import Cardinality
-    from grpclib.exceptions import GRPCError, StreamTerminatedError
-
-    host, _, port = address.rpartition(":")
-    try:
-        tls = SpiffeTLSContext(bundle_pem, [server_id(trust_domain)], cert_file=svid_cert, key_file=svid_key)
-    except (ValueError, OSError, ssl.SSLError) as exc:
-        raise ServerNotTrustedError(
-            f"cannot set up mutual TLS: {exc}", hint="attest first (nodeagent attest)"
-        ) from exc
+    """Join.RequestJoin: the verification report for the one-time :class:`JoinGrant`."""
+    tls = _mtls(bundle_pem, trust_domain, svid_cert, svid_key)
     request = join_pb2.JoinRequest(
         pool=pool,
         node_name=node_name,
@@ -84,40 +77,11 @@ async def request_join_async(
         request_id=secrets.token_hex(16),
         requested_at=int(time.time()),
     )
-    channel = Channel(host.strip("[]"), int(port), ssl=tls)
-    try:
-        async with channel.request(
-            JOIN_METHOD,
-            Cardinality.UNARY_UNARY,
-            join_pb2.JoinRequest,
-            join_pb2.JoinResponse,
-            timeout=timeout,
-        ) as stream:
-            await stream.send_message(request, end=True)
-            reply = await stream.recv_message()
-    except GRPCError as exc:
-        status = exc.status.name
-        message = exc.message or status
-        raise JoinRefusedError(
-            f"join refused by the broker ({status}): {message}",
-            hint=_hint(status, message),
-            code=status,
-            permanent=status in PERMANENT and "not attested" not in message,
-        ) from exc
-    except ssl.SSLCertVerificationError as exc:
-        raise ServerNotTrustedError(
-            f"the join broker at {address} is not trusted: {getattr(exc, 'verify_message', None) or exc.args[0]}",
-            hint="check the bundle and the trust domain",
-        ) from exc
-    except (TimeoutError, OSError, StreamTerminatedError) as exc:
-        raise ServerUnavailableError(
-            f"cannot reach the join broker at {address}: {exc or type(exc).__name__}",
-            hint="check join_server and that nodeserver serves join_listen; the agent retries",
-        ) from exc
-    finally:
-        channel.close()
+    reply = await _unary(address, tls, Rpc.JOIN, request, join_pb2.JoinResponse, timeout=timeout)
     if reply is None or not reply.token:
-        raise JoinRefusedError("the broker answered without a token", permanent=False)
+        raise RefusedForNowError(
+            "the broker answered without a token", hint="see the broker's log for this request; retrying"
+        )
     return JoinGrant(
         token=reply.token,
         token_expires_at=reply.token_expires_at,
@@ -133,3 +97,90 @@ async def request_join_async(
 
 def request_join(address: str, **kwargs: object) -> JoinGrant:
     return asyncio.run(request_join_async(address, **kwargs))  # type: ignore[arg-type]
+
+
+def token_id(token: str) -> str:
+    """The public id of a bootstrap token: the part before the dot (never the secret)."""
+    public, dot, _ = token.partition(".")
+    if not dot or not _TOKEN_ID_RE.fullmatch(public):
+        raise JoinConfigError(
+            "the bootstrap token is not of the form [a-z0-9]{6}.[a-z0-9]{16}",
+            hint="the join broker sent it; check the pool and cluster settings of nodeserver",
+        )
+    return public
+
+
+async def report_joined_async(
+    address: str,
+    *,
+    trust_domain: str,
+    bundle_pem: bytes,
+    svid_cert: Path,
+    svid_key: Path,
+    token_id: str,
+    node_name: str,
+    timeout: float = 15.0,
+) -> bool:
+    """Join.ReportJoined: the token with this public id has been used; True when this call revoked it."""
+    if not _TOKEN_ID_RE.fullmatch(token_id):
+        raise JoinConfigError(
+            f"{token_id!r} is not a bootstrap token id", hint="this is a bug in the caller"
+        )
+    tls = _mtls(bundle_pem, trust_domain, svid_cert, svid_key)
+    request = join_pb2.JoinedRequest(token_id=token_id, node_name=node_name)
+    reply = await _unary(address, tls, Rpc.REPORT_JOINED, request, join_pb2.JoinedResponse, timeout=timeout)
+    return bool(reply is not None and reply.revoked)
+
+
+def _mtls(bundle_pem: bytes, trust_domain: str, svid_cert: Path, svid_key: Path) -> SpiffeTLSContext:
+    try:
+        return SpiffeTLSContext(
+            bundle_pem, [server_id(trust_domain)], cert_file=svid_cert, key_file=svid_key
+        )
+    except (ValueError, OSError, ssl.SSLError) as exc:
+        raise ServerNotTrustedError(
+            f"cannot set up mutual TLS: {exc}", hint="attest first (nodeagent attest)"
+        ) from exc
+
+
+async def _unary(
+    address: str,
+    tls: SpiffeTLSContext,
+    rpc: Rpc,
+    request: Any,
+    reply_type: Any,
+    *,
+    timeout: float,
+) -> Any:
+    """One unary call to the broker; transport and refusals become :class:`AgentError` subclasses."""
+    from grpclib.client import Channel
+    from grpclib.const import Cardinality
+    from grpclib.exceptions import GRPCError, StreamTerminatedError
+
+    host, _, port = address.rpartition(":")
+    channel = Channel(host.strip("[]"), int(port), ssl=tls, status_details_codec=DetailsCodec())
+    try:
+        async with channel.request(
+            _METHODS[rpc], Cardinality.UNARY_UNARY, type(request), reply_type, timeout=timeout
+        ) as stream:
+            await stream.send_message(request, end=True)
+            return await stream.recv_message()
+    except GRPCError as exc:
+        raise from_grpc_error(rpc, exc) from exc
+    except binascii.Error as exc:  # grpclib could not even base64-decode the status details
+        raise RefusedForNowError(
+            f"the join broker at {address} sent an unreadable status trailer: {exc}",
+            hint="a proxy between the agent and the broker may mangle gRPC trailers; the agent retries",
+        ) from exc
+    except ssl.SSLCertVerificationError as exc:
+        raise ServerNotTrustedError(
+            f"the join broker at {address} is not trusted: {getattr(exc, 'verify_message', None) or exc.args[0]}",
+            hint="check the bundle and the trust domain",
+        ) from exc
+    except (TimeoutError, OSError, StreamTerminatedError) as exc:
+        raise ServerUnavailableError(
+            f"cannot reach the join broker at {address}: {exc or type(exc).__name__}",
+            hint="check join_server and that nodeserver serves join_listen; the agent retries",
+        ) from exc
+    finally:
+        channel.close()

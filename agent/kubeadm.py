@@ -35,7 +35,7 @@ import yaml
 
 from agent.errors import JoinConfigError, KubeadmError
 from agent.files import write_atomic
-from agent.proc import CommandError, run
+from agent.proc import CommandError, Failure, run
 
 log = logging.getLogger(__name__)
 
@@ -316,9 +316,9 @@ def kubeadm_join(config_path: Path, *, kubeadm: str = "kubeadm", timeout: float 
         try:
             result = run(argv, timeout=timeout, check=False)
         except CommandError as exc:
-            if exc.message.endswith("not on PATH"):
+            if exc.failure is Failure.MISSING:
                 hint = f"is {kubeadm} installed in the image?"
-            elif "cannot be run" in exc.message:
+            elif exc.failure is Failure.NOT_RUNNABLE:
                 hint = f"{kubeadm} must be an executable file on a file system not mounted noexec"
             else:
                 hint = (

@@ -11,7 +11,17 @@ crash or a reboot resumes at the right place:
   but before kubeadm finishes resumes at ``join_request`` and asks for a new
   token (the broker replaces and revokes the old one);
 * the SVID is re-used while it has more than ``reattest_before_s`` left, and
-  the agent attests again before it expires.
+  the agent attests again before it expires, or at once when the broker no
+  longer knows it;
+* a JoinConfiguration left in ``join_config`` by a killed run (it holds a
+  token) is removed at the start of every run and on every way out;
+* after ``kubeadm join`` succeeds the agent reports it to the broker
+  (Join.ReportJoined), which revokes the token at once; a failed report is
+  logged and retried a few times, and never undoes the join.
+
+What a failure leads to comes from its class (:mod:`agent.errors`) and, for the
+server's refusals, from the one table in :mod:`agent.refusals`: the exit status,
+whether it is permanent, and the action (attest again, ask for a new token).
 
 Transient failures (server down, network, TPM busy, GPUs not ready, kubeadm
 failing to reach the API server) are retried with capped exponential backoff
@@ -39,19 +49,26 @@ from pathlib import Path
 from cryptography import x509
 
 from agent.config import AgentConfig
-from agent.errors import AgentError, ConfigError, StateError
+from agent.errors import (
+    Action,
+    AgentError,
+    ConfigError,
+    RefusalError,
+    VerificationFailedError,
+)
+from agent.files import FileTooLargeError, ensure_private_dir, read_bounded
 from agent.state import LastError, State, StateStore, Step
+from agent.status import status_doc, status_lines
 from agent.svid import SvidStore
+
+__all__ = ["Lifecycle", "Outcome", "VerificationFailedError", "backoff", "status_doc", "status_lines"]
 
 log = logging.getLogger(__name__)
 KUBELET_CONF = Path("/etc/kubernetes/kubelet.conf")
 FAULT_ENV = "NODEAGENT_FAULT_KILL_AFTER"
-
-
-class VerificationFailedError(AgentError):
-    """The local checks fail: retried (GPUs may still be coming up), reported in the status."""
-
-    exit_code = 7
+MAX_BUNDLE_BYTES = 1024 * 1024
+REPORT_ATTEMPTS = 3  # Join.ReportJoined tries; the token's TTL and the broker's own revocation back it up
+REPORT_TIMEOUT_S = 15.0
 
 
 @dataclass
@@ -92,9 +109,18 @@ class Lifecycle:
         self.svids = SvidStore(Path(config.state_dir))
         self._report: bytes = b""
         self._grant: object = None
+        self._force_attest = False  # the broker no longer knows the SVID: attest even while it is valid
+        self._attested_again = False  # ATTEST_AGAIN is honoured once a run
 
     # -- the driver -----------------------------------------------------------
     def run(self) -> Outcome:
+        self._remove_join_config()  # a killed run may have left one, with its token
+        try:
+            return self._run()
+        finally:
+            self._remove_join_config()
+
+    def _run(self) -> Outcome:
         state = self.states.load()
         if self.states.joined() or state.step == Step.JOINED or self.kubelet_conf.exists():
             if not self.states.joined():
@@ -121,24 +147,7 @@ class Lifecycle:
             try:
                 next_step = steps[step](state)
             except AgentError as exc:
-                state.attempts += 1
-                state.last_error = LastError(str(step), exc.message, exc.hint, exc.permanent, self.clock())
-                state.history.append({"at": self.clock(), "step": str(step), "error": exc.message})
-                self.states.save(state)
-                log.warning("%s failed (attempt %d): %s", step, state.attempts, exc.message)
-                if exc.permanent:
-                    _notify(f"{step}: stopped: {exc.message}")
-                    raise
-                delay = backoff(
-                    state.attempts - 1, self.config.retry_initial_s, self.config.retry_max_s, self.rng
-                )
-                if self.clock() + delay > deadline:
-                    _notify(f"{step}: giving up for now: {exc.message}")
-                    raise
-                _notify(f"{step}: {exc.message}; retrying in {delay:.0f} s")
-                self.sleep(delay)
-                if isinstance(exc, _Restart):
-                    state.step = exc.step
+                self._failed(state, step, exc, deadline)
                 continue
             state.history.append({"at": self.clock(), "step": str(step), "ok": True})
             state.step = next_step
@@ -152,6 +161,64 @@ class Lifecycle:
         _notify("joined")
         return Outcome(True, state)
 
+    def _failed(self, state: State, step: Step, exc: AgentError, deadline: float) -> None:
+        """Record a failure, then re-raise it (permanent, or past the deadline) or wait and go on."""
+        state.attempts += 1
+        state.last_error = LastError(
+            step=str(step),
+            message=exc.message,
+            hint=exc.hint,
+            permanent=exc.permanent,
+            at=self.clock(),
+            reason=exc.reason,
+            code=exc.code if isinstance(exc, RefusalError) else "",
+            exit_status=exc.exit_code,
+            action=str(exc.action),
+        )
+        state.history.append(
+            {"at": self.clock(), "step": str(step), "error": exc.message, "reason": exc.reason}
+        )
+        self.states.save(state)
+        log.warning("%s failed (attempt %d, %s): %s", step, state.attempts, exc.reason, exc.message)
+        if exc.action is Action.ATTEST_AGAIN and not self._attested_again:
+            # Attest anew at once (the SVID may be valid but unknown to the server); once a run,
+            # so that a refusal the detail cannot tell apart from "not attested" still stops.
+            self._attested_again = self._force_attest = True
+            _notify(f"{step}: {exc.message}; attesting again")
+            log.info("attesting again: %s", exc.hint)
+            state.step = Step.ATTEST
+            return
+        if exc.permanent:
+            _notify(f"{step}: stopped: {exc.message}")
+            raise exc
+        delay = backoff(state.attempts - 1, self.config.retry_initial_s, self.config.retry_max_s, self.rng)
+        retry_after = exc.retry_after_s if isinstance(exc, RefusalError) else None
+        if retry_after is not None:
+            delay = max(delay, retry_after)
+        if self.clock() + delay > deadline:
+            _notify(f"{step}: giving up for now: {exc.message}")
+            raise exc
+        _notify(f"{step}: {exc.message}; retrying in {delay:.0f} s")
+        self.sleep(delay)
+        if exc.action is Action.NEW_TOKEN:
+            state.step = Step.JOIN_REQUEST
+        elif exc.action is Action.ATTEST_AGAIN:
+            self._force_attest = True
+            state.step = Step.ATTEST
+
+    def _remove_join_config(self) -> None:
+        path = Path(self.config.join_config)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            log.error(
+                "could not remove the join configuration %s (it holds a token): %s", path, exc.strerror
+            )
+            return
+        log.warning("removed a join configuration left behind by an interrupted run: %s", path)
+
     @staticmethod
     def _fault_hook(step: Step) -> None:
         if os.environ.get(FAULT_ENV) == str(step):
@@ -160,7 +227,12 @@ class Lifecycle:
     # -- steps -----------------------------------------------------------------
     def _bundle(self) -> bytes:
         try:
-            return Path(self.config.bundle).read_bytes()
+            return read_bounded(Path(self.config.bundle), MAX_BUNDLE_BYTES)
+        except FileTooLargeError as exc:
+            raise ConfigError(
+                f"the trust bundle {self.config.bundle} is not a bundle: {exc}",
+                hint="install the server's bundle (nodeserver bundle) there, or set bundle",
+            ) from exc
         except OSError as exc:
             raise ConfigError(
                 f"cannot read the trust bundle {self.config.bundle}: {exc.strerror}",
@@ -197,7 +269,10 @@ class Lifecycle:
         return cert.not_valid_after_utc.timestamp()
 
     def _attest(self, state: State) -> Step:
-        if self._svid_valid_until() - self.clock() > self.config.reattest_before_s:
+        if (
+            not self._force_attest
+            and self._svid_valid_until() - self.clock() > self.config.reattest_before_s
+        ):
             log.info("the stored SVID is still valid; not attesting again")
             return Step.VERIFY
         from agent.attest_client import ServerTarget, attest
@@ -211,6 +286,7 @@ class Lifecycle:
             require_ek_cert=self.config.require_ek_cert,
             timeout=self.config.timeout_s,
         )
+        self._force_attest = False
         state.spiffe_id = svid.spiffe_id
         state.svid_expires_at = svid.expires_at
         return Step.VERIFY
@@ -237,32 +313,27 @@ class Lifecycle:
         if not self._report:
             return Step.VERIFY  # resumed after a restart: the report is not kept on disk
         if self._svid_valid_until() - self.clock() <= self.config.reattest_before_s:
-            raise _Restart(Step.ATTEST, "the SVID expires soon: attesting again first")
-        from agent.errors import JoinRefusedError
+            log.info("the SVID expires within reattest_before_s: attesting again first")
+            return Step.ATTEST
         from agent.join_client import request_join_async
 
-        try:
-            self._grant = asyncio.run(
-                request_join_async(
-                    self.config.join_address,
-                    trust_domain=self.config.trust_domain,
-                    bundle_pem=self._bundle(),
-                    svid_cert=self.svids.cert_path,
-                    svid_key=self.svids.key_path,
-                    pool=self.config.pool,
-                    node_name=self.config.effective_node_name,
-                    report=self._report,
-                    timeout=self.config.timeout_s,
-                )
+        self._grant = asyncio.run(
+            request_join_async(
+                self.config.join_address,
+                trust_domain=self.config.trust_domain,
+                bundle_pem=self._bundle(),
+                svid_cert=self.svids.cert_path,
+                svid_key=self.svids.key_path,
+                pool=self.config.pool,
+                node_name=self.config.effective_node_name,
+                report=self._report,
+                timeout=self.config.timeout_s,
             )
-        except JoinRefusedError as exc:
-            if "not attested" in exc.message:
-                raise _Restart(Step.ATTEST, exc.message) from exc
-            raise
+        )
         return Step.KUBEADM_JOIN
 
     def _kubeadm_join(self, state: State) -> Step:
-        from agent.join_client import JoinGrant
+        from agent.join_client import JoinGrant, token_id
         from agent.kubeadm import join_configuration, kubeadm_join, write_join_config
 
         grant = self._grant
@@ -279,50 +350,54 @@ class Lifecycle:
             kubelet_extra_args=grant.kubelet_extra_args,
             cri_socket=self.config.cri_socket,
         )
+        public_id = token_id(grant.token)
         path = Path(self.config.join_config)
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ensure_private_dir(path.parent, what="folder of the join configuration")
         write_join_config(path, doc)
-        try:
-            kubeadm_join(path, kubeadm=self.config.kubeadm)
-        except AgentError as exc:
-            raise _Restart(Step.JOIN_REQUEST, exc.message, hint=exc.hint) from exc
+        kubeadm_join(path, kubeadm=self.config.kubeadm)  # a KubeadmError asks for a new token
+        self._report_joined(public_id)
         return Step.JOINED
 
+    def _report_joined(self, public_id: str) -> None:
+        """Tell the broker the token was used, so it revokes it now; never undoes the join."""
+        from agent.join_client import report_joined_async
 
-class _Restart(AgentError):
-    """A transient failure that sends the lifecycle back to an earlier step."""
-
-    def __init__(self, step: Step, message: str, *, hint: str = "") -> None:
-        super().__init__(message, hint=hint)
-        self.step = step
-
-
-def status_lines(state_dir: Path) -> list[str]:
-    """What ``nodeagent status`` prints."""
-    store = StateStore(state_dir)
-    try:
-        state = store.load()
-    except StateError as exc:
-        return [f"state: unreadable ({exc.message})", f"what to do: {exc.hint}"]
-    lines = [f"step: {'joined' if store.joined() else state.step}"]
-    if state.spiffe_id:
-        lines.append(f"identity: {state.spiffe_id}")
-    if state.svid_expires_at:
-        left = state.svid_expires_at - time.time()
-        lines.append(f"SVID expires: {time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime(state.svid_expires_at))}"
-                     + (" (expired)" if left <= 0 else f" (in {left / 60:.0f} min)"))  # fmt: skip
-    if state.verdict:
-        lines.append(f"last verification: {state.verdict}")
-    if state.updated_at:
-        lines.append(f"updated: {time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime(state.updated_at))}")
-    if state.last_error is not None and not store.joined():
-        e = state.last_error
-        kind = (
-            "permanent: fix it, then restart the agent"
-            if e.permanent
-            else f"transient, attempt {state.attempts}"
+        for attempt in range(REPORT_ATTEMPTS):
+            try:
+                revoked = asyncio.run(
+                    report_joined_async(
+                        self.config.join_address,
+                        trust_domain=self.config.trust_domain,
+                        bundle_pem=self._bundle(),
+                        svid_cert=self.svids.cert_path,
+                        svid_key=self.svids.key_path,
+                        token_id=public_id,
+                        node_name=self.config.effective_node_name,
+                        timeout=min(self.config.timeout_s, REPORT_TIMEOUT_S),
+                    )
+                )
+            except AgentError as exc:
+                log.warning(
+                    "could not report the join to the broker (attempt %d of %d, %s): %s",
+                    attempt + 1,
+                    REPORT_ATTEMPTS,
+                    exc.reason,
+                    exc.message,
+                )
+                if exc.permanent:
+                    break
+            except Exception:  # the join succeeded: nothing here may undo it
+                log.exception("reporting the join to the broker failed unexpectedly")
+                break
+            else:
+                log.info(
+                    "reported the join to the broker: token %s %s",
+                    public_id,
+                    "revoked" if revoked else "was already gone",
+                )
+                return
+            if attempt + 1 < REPORT_ATTEMPTS:
+                self.sleep(backoff(attempt, self.config.retry_initial_s, self.config.retry_max_s, self.rng))
+        log.warning(
+            "the broker was not told of the join: token %s stays valid until it expires (its TTL)", public_id
         )
-        lines.append(f"last error ({e.step}, {kind}): {e.message}")
-        if e.hint:
-            lines.append(f"what to do: {e.hint}")
-    return lines

@@ -5,23 +5,32 @@ crash or a reboot resumes at the right step, and ``nodeagent status`` can say
 where the agent is, what went wrong last and what to do. The ``joined`` marker
 is a separate file so that the systemd unit's ``ConditionPathExists=!`` can
 see it.
+
+A state file is read with a size bound and its shape checked key by key: a file
+this agent cannot understand (a list, a wrong type, an unknown step, too large)
+is a :class:`StateError` (exit 10, which systemd does not restart) naming the key
+and the fix, never a crash.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from agent.errors import StateError
-from agent.files import ensure_private_dir, write_atomic
+from agent.files import FileTooLargeError, ensure_private_dir, read_bounded, write_atomic
 
 STATE_FILE = "state.json"
 JOINED_MARKER = "joined"
 STATE_VERSION = 1
+MAX_STATE_BYTES = 1024 * 1024
+MAX_HISTORY = 50
 
 
 class Step(StrEnum):
@@ -43,6 +52,10 @@ class LastError:
     hint: str
     permanent: bool
     at: float
+    reason: str = ""  # the server's reason slug for refusals, else the exit class (agent.errors)
+    code: str = ""  # the gRPC status name of a refusal
+    exit_status: int = 1  # what `nodeagent run` exits with for this error (agent.errors.EXIT_STATUSES)
+    action: str = "step"  # agent.errors.Action
 
 
 @dataclass
@@ -61,28 +74,123 @@ class State:
         doc = asdict(self)
         doc["version"] = STATE_VERSION
         doc["step"] = str(self.step)
-        return json.dumps(doc, indent=2, sort_keys=True).encode()
+        return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, path: Path) -> State:
         try:
-            doc = json.loads(raw)
-            if doc.pop("version", None) != STATE_VERSION:
-                raise ValueError("unknown state version")
-            err = doc.pop("last_error", None)
-            state = cls(**{**doc, "step": Step(doc["step"])})
-            state.last_error = LastError(**err) if err else None
-            return state
-        except (ValueError, TypeError, KeyError) as exc:
-            raise StateError(
-                f"{path} is not a state file this agent understands: {exc}",
-                hint=f"move it aside (mv {path} {path}.bad) and run again; the agent starts over",
-            ) from exc
+            doc = json.loads(raw, parse_constant=_no_constants)
+            return _state_from(doc)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, huge integers, deep nesting
+            raise _bad(path, str(exc) or type(exc).__name__) from exc
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not a number this agent stores")
+
+
+def _bad(path: Path, what: str) -> StateError:
+    return StateError(
+        f"{path} is not a state file this agent understands: {what}",
+        hint=f"move it aside (mv {path} {path}.bad) and run again; the agent starts over "
+        "(it attests again, and never repeats a completed join)",
+    )
+
+
+# -- shape checks ------------------------------------------------------------------------
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _is_str(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _is_bool(v: Any) -> bool:
+    return isinstance(v, bool)
+
+
+def _is_history(v: Any) -> bool:
+    return isinstance(v, list) and all(
+        isinstance(item, dict) and all(isinstance(k, str) and _is_scalar(x) for k, x in item.items())
+        for item in v
+    )
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or _is_str(v) or _is_bool(v) or _is_number(v)
+
+
+_Check = tuple[Callable[[Any], bool], str]
+_STATE_KEYS: dict[str, _Check] = {
+    "version": (_is_int, "an integer"),
+    "step": (_is_str, "a step name"),
+    "attempts": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "updated_at": (_is_number, "a number"),
+    "last_error": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "svid_expires_at": (_is_int, "an integer"),
+    "spiffe_id": (_is_str, "a string"),
+    "verdict": (_is_str, "a string"),
+    "joined_at": (_is_number, "a number"),
+    "history": (_is_history, "a list of objects with plain values"),
+}
+_ERROR_KEYS: dict[str, _Check] = {
+    "step": (_is_str, "a string"),
+    "message": (_is_str, "a string"),
+    "hint": (_is_str, "a string"),
+    "permanent": (_is_bool, "true or false"),
+    "at": (_is_number, "a number"),
+    "reason": (_is_str, "a string"),
+    "code": (_is_str, "a string"),
+    "exit_status": (_is_int, "an integer"),
+    "action": (_is_str, "a string"),
+}
+_ERROR_REQUIRED = {f.name for f in fields(LastError) if f.default is MISSING}
+
+
+def _checked(doc: Any, keys: Mapping[str, _Check], where: str) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where} must be a JSON object, not {type(doc).__name__}")
+    unknown = sorted(set(doc) - set(keys))
+    if unknown:
+        raise ValueError(f"{where} has unknown key(s) {', '.join(map(repr, unknown))}")
+    for key, value in doc.items():
+        check, wanted = keys[key]
+        if not check(value):
+            raise ValueError(f"{where}.{key} must be {wanted}, not {json.dumps(value)[:40]}")
+    return doc
+
+
+def _state_from(doc: Any) -> State:
+    doc = dict(_checked(doc, _STATE_KEYS, "the state"))
+    version = doc.pop("version", None)
+    if version != STATE_VERSION:
+        raise ValueError(f"state version {version!r} (this agent reads version {STATE_VERSION})")
+    if "step" not in doc:
+        raise ValueError("the state has no step")
+    try:
+        step = Step(doc.pop("step"))
+    except ValueError:
+        raise ValueError(f"unknown step (known: {', '.join(Step)})") from None
+    err = doc.pop("last_error", None)
+    state = State(step=step, **doc)
+    if err is not None:
+        err = _checked(err, _ERROR_KEYS, "the state's last_error")
+        missing = sorted(_ERROR_REQUIRED - set(err))
+        if missing:
+            raise ValueError(f"the state's last_error lacks {', '.join(missing)}")
+        state.last_error = LastError(**err)
+    return state
 
 
 class StateStore:
     def __init__(self, state_dir: Path) -> None:
         self.dir = state_dir
+        self._dir_checked = False
 
     @property
     def path(self) -> Path:
@@ -94,23 +202,30 @@ class StateStore:
 
     def load(self) -> State:
         try:
-            raw = self.path.read_bytes()
+            raw = read_bounded(self.path, MAX_STATE_BYTES)
         except FileNotFoundError:
             return State()
+        except FileTooLargeError as exc:
+            raise _bad(self.path, str(exc)) from exc
         except OSError as exc:
             raise StateError(
                 f"cannot read {self.path}: {exc.strerror}", hint="check the state directory"
             ) from exc
         return State.from_json(raw, self.path)
 
+    def _private_dir(self) -> None:
+        if not self._dir_checked:
+            ensure_private_dir(self.dir)
+            self._dir_checked = True
+
     def save(self, state: State) -> None:
-        ensure_private_dir(self.dir)
+        self._private_dir()
         state.updated_at = time.time()
-        state.history = state.history[-50:]
+        state.history = state.history[-MAX_HISTORY:]
         write_atomic(self.path, state.to_json(), 0o600)
 
     def mark_joined(self) -> None:
-        ensure_private_dir(self.dir)
+        self._private_dir()
         write_atomic(self.marker, f"{time.time():.0f}\n".encode(), 0o644)
 
     def joined(self) -> bool:

@@ -17,11 +17,12 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from agent.errors import StateError
-from agent.files import ensure_private_dir, write_atomic
+from agent.files import FileTooLargeError, ensure_private_dir, read_bounded, write_atomic
 
 KEY_FILE = "svid.key"
 CERT_FILE = "svid.pem"
 BUNDLE_FILE = "bundle.pem"
+MAX_CHAIN_BYTES = 256 * 1024  # an SVID chain is a few KiB
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,13 @@ class SvidStore:
         if not (self.cert_path.exists() and self.key_path.exists()):
             return None
         try:
-            cert = x509.load_pem_x509_certificate(self.cert_path.read_bytes())
-        except ValueError as exc:
+            cert = x509.load_pem_x509_certificate(read_bounded(self.cert_path, MAX_CHAIN_BYTES))
+        except (ValueError, FileTooLargeError) as exc:
             raise StateError(
-                f"{self.cert_path} is not a PEM certificate", hint="remove it and attest again"
+                f"{self.cert_path} is not a PEM certificate: {exc}", hint="remove it and attest again"
+            ) from exc
+        except OSError as exc:
+            raise StateError(
+                f"cannot read {self.cert_path}: {exc.strerror}", hint="check the state directory"
             ) from exc
         return cert, self.cert_path, self.key_path

@@ -1,7 +1,10 @@
 """systemd files shipped with the agent (package data), installed into the image by the builder.
 
-``nodeagent.service``                 -> /etc/systemd/system/nodeagent.service (enabled)
-``kubelet.service.d/10-nodeagent.conf`` -> /etc/systemd/system/kubelet.service.d/10-nodeagent.conf
+``nodeagent.service``                 -> /usr/lib/systemd/system/nodeagent.service (enabled)
+``kubelet.service.d/10-nodeagent.conf`` -> /usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf
+
+Packaged units belong in ``/usr/lib/systemd/system``, the vendor layer; ``/etc/systemd/system``
+is the administrator's, whose files and drop-ins override these.
 
 Public API::
 
@@ -16,8 +19,8 @@ from __future__ import annotations
 from importlib import resources
 
 FILES = {
-    "nodeagent.service": "/etc/systemd/system/nodeagent.service",
-    "kubelet.service.d/10-nodeagent.conf": "/etc/systemd/system/kubelet.service.d/10-nodeagent.conf",
+    "nodeagent.service": "/usr/lib/systemd/system/nodeagent.service",
+    "kubelet.service.d/10-nodeagent.conf": "/usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf",
 }
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from agent.errors import EkCertificateError, TpmError, TpmUnavailableError
+from agent.errors import ConfigError, EkCertificateError, TpmError, TpmUnavailableError, TpmUnusableError
 from agent.tpm import rc as rc_codes
 from agent.tpm.ekcert import clean_nv_certificate, same_public_key
 from protocol import tpm2
@@ -65,7 +65,7 @@ class TpmAttestor:
         self, tcti: str = DEFAULT_TCTI, *, ek_alg: str = "rsa", require_ek_cert: bool = False
     ) -> None:
         if ek_alg not in EK_TEMPLATE_NAME:
-            raise TpmError(f"unknown EK algorithm {ek_alg!r}", hint="use 'rsa' or 'ecc'")
+            raise ConfigError(f"unknown EK algorithm {ek_alg!r}", hint="set ek_alg to rsa or ecc")
         self.tcti = tcti
         self.ek_alg = ek_alg
         self.require_ek_cert = require_ek_cert
@@ -136,8 +136,7 @@ class TpmAttestor:
         try:
             return fn(*args, **kwargs)
         except TSS2_Exception as exc:
-            cause, fix = rc_codes.describe(int(exc.rc))
-            raise TpmError(f"{what} failed: {cause}", hint=fix) from exc
+            raise _tpm_error(what, int(exc.rc)) from exc
 
     def _flush(self, handle: Any) -> None:
         if handle in self._transient:
@@ -202,9 +201,8 @@ class TpmAttestor:
             self._closeable.append(handle)
             return handle
         except TSS2_Exception as exc:
-            if (int(exc.rc) & 0xFF) != 0x8B:  # not "handle does not exist"
-                cause, fix = rc_codes.describe(int(exc.rc))
-                raise TpmError(f"reading the SRK at 0x{SRK_HANDLE:08x} failed: {cause}", hint=fix) from exc
+            if rc_codes.error_number(int(exc.rc)) != rc_codes.HANDLE:  # not "handle does not exist"
+                raise _tpm_error(f"reading the SRK at 0x{SRK_HANDLE:08x}", int(exc.rc)) from exc
         log.info("no SRK at 0x%08x; creating and persisting one", SRK_HANDLE)
         transient, _, _, _, _ = self._call(
             "creating the SRK", ctx.create_primary, None, _srk_template(), ESYS_TR.OWNER
@@ -296,6 +294,13 @@ class TpmAttestor:
         finally:
             self._flush(session)
         return bytes(cert_info)
+
+
+def _tpm_error(what: str, rc: int) -> TpmError:
+    """A failed TPM command: permanent (a person must act) or worth a retry, as the code says."""
+    advice = rc_codes.advise(rc)
+    cls = TpmUnusableError if advice.permanent else TpmError
+    return cls(f"{what} failed: {advice.cause}", hint=advice.fix)
 
 
 def _unmarshal_exact(cls: Any, data: bytes, what: str) -> Any:

@@ -110,6 +110,12 @@ def test_power_on_to_joined_and_never_again(node: Node) -> None:
     assert (node.dir / "state" / "joined").exists()
     status = node.run("status")
     assert "step: joined" in status.stdout
+    doc = json.loads(node.run("status", "--json").stdout)
+    assert doc["joined"] is True and doc["step"] == "joined" and doc["last_error"] is None
+    assert (
+        doc["identity"].startswith("spiffe://example.org/spire/agent/tpm/") and doc["svid_expired"] is False
+    )
+    assert doc["last_verification"] == "pass"
     again = node.run("run")
     assert again.returncode == 0 and len(node.kubeadm_calls()) == 1, (
         "a completed join must never be repeated"
@@ -153,11 +159,55 @@ def test_permanent_refusal_stops_with_the_reason(node: Node, env: JoinEnv) -> No
     assert env.srv.app.store is not None
     env.srv.app.store.ban_agent(state["spiffe_id"])
     refused = node.run("run")
-    assert refused.returncode == 8, refused.stderr
-    assert "banned" in refused.stderr and "hint:" in refused.stderr
+    # A ban has its own exit status, which the unit's RestartPreventExitStatus= lists (it used to exit 8
+    # like any join refusal, and before the one table systemd restarted it for ever).
+    assert refused.returncode == 11, refused.stderr
+    assert "banned" in refused.stderr and "hint:" in refused.stderr and "unban" in refused.stderr
     status = node.run("status").stdout
     assert "permanent" in status and "banned" in status
+    doc = json.loads(node.run("status", "--json").stdout)
+    assert doc["joined"] is False and doc["step"] == "join_request"
+    err = doc["last_error"]
+    assert (err["reason"], err["permanent"], err["exit_status"], err["exit_class"]) == (
+        "banned",
+        True,
+        11,
+        "banned",
+    )
+    assert err["code"] == "PERMISSION_DENIED" and "unban" in err["hint"]
     assert node.kubeadm_calls() == []
+
+
+def test_a_server_that_forgot_the_node_gets_a_fresh_attestation(node: Node, env: JoinEnv) -> None:
+    """The broker no longer knows the (still valid) SVID: the agent attests anew at once, then joins.
+
+    Before, the lifecycle went back to the attest step, which kept the valid SVID, and asked the
+    broker again with it until the deadline.
+    """
+    assert node.run("run", fault="verify").returncode == -9
+    first = json.loads((node.dir / "state" / "state.json").read_text())
+    assert env.srv.app.store is not None and env.srv.app.store.delete_agent(first["spiffe_id"])
+    joined = node.run("run", extra_env={"NODEAGENT_DEADLINE_S": "30"})
+    assert joined.returncode == 0, joined.stderr
+    assert "not_attested" in joined.stderr
+    history = json.loads((node.dir / "state" / "state.json").read_text())["history"]
+    refused = next(i for i, h in enumerate(history) if h.get("reason") == "not_attested")
+    assert history[refused + 1] == {"at": history[refused + 1]["at"], "step": "attest", "ok": True}
+    assert env.srv.app.store.get_agent(first["spiffe_id"]) is not None, "the node attested again"
+    assert len(node.kubeadm_calls()) == 1
+
+
+def test_a_stale_join_configuration_is_removed_even_when_already_joined(node: Node) -> None:
+    """A run killed inside kubeadm join leaves the JoinConfiguration (it holds the token); the next run,
+    which finds the node joined and returns at once, removes it."""
+    assert node.run("run").returncode == 0
+    stale = node.dir / "run" / "kubeadm-join.yaml"
+    stale.write_text("discovery: {bootstrapToken: {token: abcdef.0123456789abcdef}}\n")
+    stale.chmod(0o600)
+    again = node.run("run")
+    assert again.returncode == 0, again.stderr
+    assert not stale.exists(), "the stale join configuration must not outlive the run"
+    assert "removed a join configuration left behind" in again.stderr
 
 
 def test_kubeadm_failure_is_retried_with_new_credentials(node: Node, tmp_path: Path) -> None:

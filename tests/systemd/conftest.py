@@ -57,7 +57,9 @@ def unit_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
         target = root / installed.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(systemd.read(name))
-    (root / "etc/systemd/system/kubelet.service").write_text((FIXTURES / "kubelet.service").read_text())
+    # kubelet's own unit, where the kubelet package puts it; our drop-in sits beside it.
+    (root / "usr/lib/systemd/system/kubelet.service").write_text((FIXTURES / "kubelet.service").read_text())
+    (root / "etc/systemd/system").mkdir(parents=True, exist_ok=True)  # the administrator's layer, empty
     for exe in ("opt/nodeagent/venv/bin/nodeagent", "usr/bin/kubelet"):
         path = root / exe
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -98,19 +98,40 @@ def test_the_unit_agrees_with_the_agent_defaults(unit: Unit) -> None:
     assert one(unit, "Service", "TimeoutStartSec") == "30min"
 
 
-def test_restart_prevention_matches_the_permanent_exit_codes(unit: Unit) -> None:
-    """RestartPreventExitStatus= lists exactly the exit codes used only by permanent AgentErrors."""
+def test_restart_prevention_is_the_tables_permanent_exit_statuses(unit: Unit) -> None:
+    """RestartPreventExitStatus= lists exactly the permanent rows of agent.errors.EXIT_STATUSES."""
+    from agent.errors import EXIT_STATUSES
+
+    permanent = {str(e.code) for e in EXIT_STATUSES if e.permanent}
+    assert words(unit, "Service", "RestartPreventExitStatus") == permanent
+    # Before the one table, permanent refusals (no TPM, banned, policy) exited 3, 6 or 8 and were
+    # restarted for ever: each must be listed now.
+    assert permanent >= {"2", "3", "5", "6", "8", "10", "11"}
+    # And no transient status may be: those are the failures a restart can fix.
+    transient = {str(e.code) for e in EXIT_STATUSES if not e.permanent}
+    assert not words(unit, "Service", "RestartPreventExitStatus") & transient
+
+
+def test_every_permanent_error_class_stops_the_restarts(unit: Unit) -> None:
+    """Each permanent AgentError exits with a status the unit does not restart, each transient one with one it does."""
+    prevented = {int(w) for w in words(unit, "Service", "RestartPreventExitStatus")}
     classes = [
         c
         for _, c in inspect.getmembers(agent.errors, inspect.isclass)
         if issubclass(c, agent.errors.AgentError) and c.__module__ == "agent.errors"
     ]
-    codes: dict[int, set[bool]] = {}
     for cls in classes:
-        codes.setdefault(cls.exit_code, set()).add(bool(cls.permanent))
-    always_permanent = {str(code) for code, perm in codes.items() if perm == {True}}
-    assert words(unit, "Service", "RestartPreventExitStatus") == always_permanent
-    assert always_permanent >= {"2", "5", "10"}
+        assert (cls.exit_code in prevented) == cls.permanent, cls.__name__
+
+
+def test_units_are_vendor_files() -> None:
+    """Packaged units go to /usr/lib/systemd/system; /etc/systemd/system is the administrator's."""
+    for name, installed in systemd.FILES.items():
+        assert installed.startswith("/usr/lib/systemd/system/"), installed
+        assert installed.endswith(name)
+        text = systemd.read(name)
+        assert installed in text, f"{name}'s comment should say where it is installed"
+        assert "/etc/systemd/system/" + name not in text
 
 
 @pytest.mark.parametrize(
