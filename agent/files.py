@@ -34,10 +34,20 @@ def read_bounded(path: Path, limit: int) -> bytes:
     Raises :class:`OSError` as ``open`` does (``FileNotFoundError`` included).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise FileTooLargeError(f"{path} is not a regular file")
-        data = fh.read(limit + 1)
+        chunks: list[bytes] = []
+        left = limit + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
     if len(data) > limit:
         raise FileTooLargeError(f"{path} is larger than {limit} bytes")
     return data

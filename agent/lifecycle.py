@@ -355,10 +355,10 @@ class Lifecycle:
         ensure_private_dir(path.parent, what="folder of the join configuration")
         write_join_config(path, doc)
         kubeadm_join(path, kubeadm=self.config.kubeadm)  # a KubeadmError asks for a new token
-        self._report_joined(public_id)
+        self.report_joined(public_id)
         return Step.JOINED
 
-    def _report_joined(self, public_id: str) -> None:
+    def report_joined(self, public_id: str) -> None:
         """Tell the broker the token was used, so it revokes it now; never undoes the join."""
         from agent.join_client import report_joined_async
 

@@ -152,11 +152,13 @@ class TpmAttestor:
         from tpm2_pytss.utils import NVReadEK, create_ek_template
 
         ctx = self._ctx
+        # NVReadEK lists the NV indices when it is built: a TPM command of its own.
+        nv_read = self._call("listing the TPM's NV indices", NVReadEK, ctx)
         cert_raw, template = self._call(
             "reading the EK template and certificate from NV",
             create_ek_template,
             EK_TEMPLATE_NAME[self.ek_alg],
-            NVReadEK(ctx),
+            nv_read,
         )
         from tpm2_pytss.constants import ESYS_TR
 
