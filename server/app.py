@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from protocol._gen.spire.api.server.agent.v1 import agent_pb2
-from protocol._gen.spire.api.server.bundle.v1 import bundle_pb2_grpc
+from protocol._gen.spire.api.server.bundle.v1 import bundle_pb2
 from server.attest_service import AgentService
 from server.audit import AuditLog
 from server.boundary import Boundary, register
@@ -178,7 +178,12 @@ class ServerApp:
         register(
             server, self.boundary, agent_pb2.DESCRIPTOR.services_by_name["Agent"], agent_service.methods()
         )
-        bundle_pb2_grpc.add_BundleServicer_to_server(BundleService(self.ca), server)
+        register(
+            server,
+            self.boundary,
+            bundle_pb2.DESCRIPTOR.services_by_name["Bundle"],
+            BundleService(self.ca).methods(),
+        )
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         host, port = cfg.listen

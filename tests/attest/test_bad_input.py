@@ -251,6 +251,10 @@ def test_bad_input(
     audit = env.srv.audit_lines()[before_audit:]
     assert len(audit) == 1, audit
     assert audit[0]["status"] == status and audit[0]["reason"].startswith(reason), audit[0]
+    # The same reason travels to the client as a structured detail (google.rpc.ErrorInfo).
+    assert outcome.detail is not None and outcome.detail.reason is not None, outcome
+    assert outcome.reason == audit[0]["reason"], (outcome.detail, audit[0])
+    assert outcome.detail.family == str(outcome.detail.reason.family)
     assert audit[0]["result"] in ("denied", "error")
     # Nothing stored for the failed attempt (a ban placeholder is the operator's, not the attempt's).
     assert {a.spiffe_id: a for a in store.list_agents()} == before_agents

@@ -6,20 +6,27 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from agent.refusals import DetailsCodec
 from agent.tls import SpiffeTLSContext
 from protocol._gen.spire.api.server.agent.v1 import agent_pb2
 from protocol._gen.spire.api.types import attestation_pb2
 from protocol.spiffe import server_id
+from protocol.status_details import ErrorDetail
 
 T = TypeVar("T")
 ATTEST = "/spire.api.server.agent.v1.Agent/AttestAgent"
 
 
 class RpcFailed(Exception):
-    def __init__(self, status: str, message: str) -> None:
+    def __init__(self, status: str, message: str, detail: ErrorDetail | None = None) -> None:
         super().__init__(f"{status}: {message}")
         self.status = status
         self.message = message
+        self.detail = detail  # the server's structured details (protocol.status_details)
+
+    @property
+    def reason(self) -> str:
+        return self.detail.reason.slug if self.detail is not None and self.detail.reason else ""
 
 
 def params(payload: bytes, csr: bytes, attestor: str = "tpm") -> agent_pb2.AttestAgentRequest:
@@ -39,7 +46,12 @@ async def _run(
     from grpclib.exceptions import GRPCError
 
     host, _, port = address.rpartition(":")
-    channel = Channel(host, int(port), ssl=SpiffeTLSContext(bundle, [server_id(trust_domain)]))
+    channel = Channel(
+        host,
+        int(port),
+        ssl=SpiffeTLSContext(bundle, [server_id(trust_domain)]),
+        status_details_codec=DetailsCodec(),
+    )
     try:
         async with channel.request(
             ATTEST,
@@ -50,7 +62,8 @@ async def _run(
         ) as stream:
             return await script(stream)
     except GRPCError as exc:
-        raise RpcFailed(exc.status.name, exc.message or "") from exc
+        detail = exc.details if isinstance(exc.details, ErrorDetail) else None
+        raise RpcFailed(exc.status.name, exc.message or "", detail) from exc
     finally:
         channel.close()
 

@@ -15,7 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 class ServerProcess:
     """Start ``nodeserver run`` on a configuration (a dict written to ``path``, or an existing file)."""
 
-    def __init__(self, config: dict[str, Any] | None, path: Path, *, log: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: dict[str, Any] | None,
+        path: Path,
+        *,
+        log: Path | None = None,
+        nofile: int | None = None,
+    ) -> None:
         if config is not None:
             path.write_text(json.dumps(config, indent=2))
         self.path = path
@@ -26,6 +33,7 @@ class ServerProcess:
             stdout=subprocess.PIPE,
             stderr=self._log if self._log is not None else subprocess.DEVNULL,
             text=True,
+            preexec_fn=(lambda: _soft_nofile(nofile)) if nofile is not None else None,  # noqa: PLW1509
         )
         if self.proc.stdout is None:
             raise RuntimeError("nodeserver has no stdout pipe")
@@ -81,3 +89,11 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _soft_nofile(limit: int) -> None:
+    """In the child before exec: start with a low soft open-file limit (as many distributions do)."""
+    import resource
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
