@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps demo demo-host test unit vm-test lint proto proto-check bench bench-build clean help
+.PHONY: deps demo demo-host test unit vm-test lint proto proto-check settings settings-check bench bench-build clean help
 
 help:
 	@echo "make demo     build the node image, boot it with a TPM, attest, check and join (under 7 min here)"
@@ -13,6 +13,7 @@ help:
 	@echo "make vm-test  only the VM tier (vm-tests/)"
 	@echo "make lint     ruff and mypy (strict)"
 	@echo "make proto    regenerate protocol/_gen from protocol/proto"
+	@echo "make settings regenerate docs/settings.md and its JSON Schemas from the settings tables"
 	@echo "make bench    run the benchmarks in bench/ and print their figures"
 	@echo "make bench-build  full vs incremental image build of the fixture (VMs, root, libvirtd; minutes)"
 
@@ -29,6 +30,12 @@ proto: deps
 
 proto-check: deps
 	$(PY) scripts/genproto.py --check
+
+settings: deps
+	$(PY) scripts/gensettings.py
+
+settings-check: deps
+	$(PY) scripts/gensettings.py --check
 
 test: deps
 	scripts/run-tests.sh all

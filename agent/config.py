@@ -113,7 +113,7 @@ class AgentConfig:
 
 def _trust_domain_problem(value: str) -> str | None:
     if not value:
-        return None
+        return None  # unset: the commands that need it say so
     try:
         validate_trust_domain(value)
     except SpiffeIdError as exc:
@@ -138,7 +138,8 @@ TABLE = Table(
         ),
         Setting(
             "trust_domain",
-            _text("a trust domain like example.org", metavar="NAME"),
+            # matched whole: protocol.spiffe's own check lets a trailing newline through
+            _text("a trust domain like example.org", pattern=r"[a-z0-9._-]{0,255}", metavar="NAME"),
             "trust domain, e.g. example.org",
             "",
             check=_trust_domain_problem,

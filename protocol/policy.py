@@ -223,7 +223,7 @@ _JOIN = Table(
         ),
         Setting(
             "taints",
-            raw("a list of taints", {"type": "array", "items": _TAINT_SCHEMA}, list),
+            raw("a list of taints", {"type": "array", "items": _TAINT_SCHEMA}, list, name="list"),
             "taints the node gets at join: key[=value]:Effect, or a mapping of key, value and effect",
             (),
         ),

@@ -267,7 +267,7 @@ def boolean() -> Kind:
         "BOOL",
         {"type": "boolean"},
         parse,
-        show=lambda v: "true" if v else "false",
+        show=lambda v: "" if v is None else "true" if v else "false",
         text_schema=text_schema,
     )
 
@@ -325,7 +325,7 @@ def number(low: float | None = None, high: float | None = None, *, metavar: str 
 
 _DURATION_BODY = r"[0-9]{1,18}|(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h|d))+"
 _SECONDS_BODY = (
-    r"[0-9]{0,18}\.?[0-9]{0,18}|(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h|d))+"
+    r"[0-9]{1,18}(?:\.[0-9]{0,18})?|\.[0-9]{1,18}|(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|\u00b5s|\u03bcs|ms|s|m|h|d))+"
 )
 
 
@@ -518,10 +518,19 @@ def list_of(item: Kind, expected: str = "", *, max_items: int = 1024) -> Kind:
         return tuple(item.parse(v, ctx.at(i)) for i, v in enumerate(value))
 
     schema = {"type": "array", "items": dict(item.schema), "maxItems": max_items}
-    return Kind("list", what, item.metavar, schema, parse, show=lambda v: ", ".join(item.show(x) for x in v))
+    return Kind(
+        "list",
+        what,
+        item.metavar,
+        schema,
+        parse,
+        show=lambda v: "" if v is None else ", ".join(item.show(x) for x in v) or "[]",
+    )
 
 
-def raw(expected: str, schema: Mapping[str, Any], types: type | tuple[type, ...] = dict) -> Kind:
+def raw(
+    expected: str, schema: Mapping[str, Any], types: type | tuple[type, ...] = dict, *, name: str = "mapping"
+) -> Kind:
     """A value checked only for its Python type here (its owner validates it further)."""
 
     def parse(value: Any, ctx: Ctx) -> Any:
@@ -531,7 +540,7 @@ def raw(expected: str, schema: Mapping[str, Any], types: type | tuple[type, ...]
             raise ctx.type_error(expected, value)
         return value
 
-    return Kind("mapping", expected, "VALUE", schema, parse, show=lambda v: "")
+    return Kind(name, expected, "VALUE", schema, parse, show=lambda v: "")
 
 
 def section(table: Table, build: Callable[[dict[str, Any], Ctx], Any] | None = None) -> Kind:
@@ -795,11 +804,14 @@ class Table:
                 meaning += " (" + ", ".join(used_by[s.name]) + ")"
             if s.secret:
                 meaning += "; secret: never printed, no flag"
-            default = s.default_shown.replace("|", "\\|")
-            lines.append(
-                f"| {key} | {_type_words(s.kind)} | {f'`{default}`' if default else ''} | "
-                f"{' '.join(also)} | {meaning} |"
-            )
+            if s.required:
+                default = "required"
+            elif s.default_text:
+                default = s.default_text.replace("|", "\\|")
+            else:
+                shown = s.kind.show(s.default).replace("|", "\\|")
+                default = f"`{shown}`" if shown else ""
+            lines.append(f"| {key} | {_type_words(s.kind)} | {default} | {' '.join(also)} | {meaning} |")
         return "\n".join(lines) + "\n"
 
 

@@ -51,7 +51,7 @@ _DURATION_UNITS = {
 }
 _TERM = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(ns|us|\u00b5s|\u03bcs|ms|s|m|h|d)")
 _WHOLE = re.compile(r"[0-9]{1,18}")
-_DECIMAL = re.compile(r"[0-9]{0,18}\.?[0-9]{0,18}")
+_DECIMAL = re.compile(r"[0-9]{1,18}(?:\.[0-9]{0,18})?|\.[0-9]{1,18}")
 _SIZE_UNITS = {
     "B": 1,
     "kB": 1000,
@@ -87,7 +87,7 @@ def parse_duration_ns(text: str, *, fractional_seconds: bool = False) -> int:
         raise UnitError(f"{expected}, got {text!r}: a duration is positive (or zero) and has no sign")
     if _WHOLE.fullmatch(text):
         return _bounded(Fraction(int(text)) * _SECOND, text)
-    if _DECIMAL.fullmatch(text) and any(c.isdigit() for c in text):
+    if _DECIMAL.fullmatch(text):
         if fractional_seconds:
             return _bounded(Fraction(Decimal(text)) * _SECOND, text)
         raise UnitError(
@@ -108,7 +108,9 @@ def parse_duration_ns(text: str, *, fractional_seconds: bool = False) -> int:
 def _bounded(total: Fraction, text: str) -> int:
     ns = int(total)  # Go truncates below a nanosecond too
     if ns > MAX_DURATION_NS:
-        raise UnitError(f"{text!r} is longer than the longest duration (about 292 years)")
+        raise UnitError(
+            f"expected {_EXAMPLE}, got {text!r}: longer than the longest duration (about 292 years)"
+        )
     return ns
 
 

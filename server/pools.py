@@ -205,10 +205,12 @@ _TOKEN_BACKEND_SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 SECTION_KINDS: Mapping[str, Kind] = {
-    "cluster": raw(CLUSTER.expected, CLUSTER.json_schema()),
-    "join": raw(JOIN.expected, JOIN.json_schema()),
-    "token_backend": raw("a mapping such as {type: file, directory: PATH}", _TOKEN_BACKEND_SCHEMA),
-    "pools": raw(POOLS.expected, POOLS.schema),
+    "cluster": raw(CLUSTER.expected, CLUSTER.json_schema(), name="section"),
+    "join": raw(JOIN.expected, JOIN.json_schema(), name="section"),
+    "token_backend": raw(
+        "a mapping such as {type: file, directory: PATH}", _TOKEN_BACKEND_SCHEMA, name="section"
+    ),
+    "pools": raw(POOLS.expected, POOLS.schema, name="section"),
 }
 """The join broker's sections of the server configuration: checked for their type when the file
 is read, and in full by :func:`join_settings`."""

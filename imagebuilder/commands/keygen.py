@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--out", required=True, type=Path, metavar="PREFIX", help="path prefix of the two files"
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"private_key", "public_key", "keyid", "encrypted"} as one JSON object',
+    )
     parser.set_defaults(func=run)
 
 
@@ -34,7 +40,21 @@ def run(args: argparse.Namespace) -> int:
     key_path, pub_path = write_keypair(
         args.out, args.kind, passphrase=passphrase.encode("utf-8") if passphrase else None
     )
+    keyid = key_id(load_public_key(pub_path))
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "private_key": str(key_path),
+                    "public_key": str(pub_path),
+                    "keyid": keyid,
+                    "encrypted": bool(passphrase),
+                },
+                sort_keys=True,
+            )
+        )
+        return 0
     print(f"private key: {key_path} (mode 0600{', encrypted' if passphrase else ''}; keep it secret)")
     print(f"public key:  {pub_path}")
-    print(f"keyid:       {key_id(load_public_key(pub_path))}")
+    print(f"keyid:       {keyid}")
     return 0

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from imagebuilder.cache import Cache, default_cache_dir
+from imagebuilder.commands.options import COMMAND_OPTIONS, TABLE
 from imagebuilder.definition import load_definition
 from imagebuilder.lock import create_lock, default_lock_path
 
@@ -26,11 +28,11 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("definition", type=Path, help="definition YAML (see examples/)")
+    TABLE.add_arguments(parser, COMMAND_OPTIONS["lock"], typed=True)
     parser.add_argument(
-        "--lock", type=Path, default=None, help="lock file to write (default: <definition>.lock.json)"
-    )
-    parser.add_argument(
-        "--cache-dir", type=Path, default=None, help=f"download cache (default: {default_cache_dir()})"
+        "--json",
+        action="store_true",
+        help='print {"lock", "inputs", "name", "architecture"} as one JSON object instead of the summary',
     )
     parser.set_defaults(func=run)
 
@@ -41,5 +43,14 @@ def run(args: argparse.Namespace) -> int:
     defn = load_definition(args.definition)
     lock_path = args.lock or default_lock_path(defn.path)
     lock = create_lock(defn, Cache(args.cache_dir or default_cache_dir()), lock_path)
-    print(f"{lock.path}: {len(lock.inputs)} inputs locked for {defn.name} ({defn.architecture})")
+    if args.json:
+        summary = {
+            "lock": str(lock.path),
+            "inputs": len(lock.inputs),
+            "name": defn.name,
+            "architecture": defn.architecture,
+        }
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print(f"{lock.path}: {len(lock.inputs)} inputs locked for {defn.name} ({defn.architecture})")
     return 0
