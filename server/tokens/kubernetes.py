@@ -17,6 +17,10 @@ whose message names the fix. The request body and the token secret are never
 logged, and every message built from an API server answer is passed through
 :func:`server.tokens.token.redact`.
 
+Credentials: a static or file token, a client certificate, or an exec credential plugin's token or
+client certificate (run when needed, cached until it expires, asked again once when the API server
+answers 401).
+
 TLS: the cluster CA from the kubeconfig (or the system store when none is given),
 host name checked, TLS 1.2 at least. A client key from ``client-key-data`` is handed
 to OpenSSL through an anonymous memory file (``memfd``) when the kernel has one,
@@ -33,6 +37,7 @@ import logging
 import os
 import ssl
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,7 +80,7 @@ def _key_material_path(pem: bytes) -> Iterator[str]:
         os.rmdir(folder)
 
 
-def _ssl_context(access: ClusterAccess) -> ssl.SSLContext:
+def _ssl_context(access: ClusterAccess, pair: tuple[bytes, bytes] | None) -> ssl.SSLContext:
     where = f"kubeconfig {access.source}"
     try:
         cadata = access.ca_pem.decode("ascii") if access.ca_pem is not None else None
@@ -87,13 +92,14 @@ def _ssl_context(access: ClusterAccess) -> ssl.SSLContext:
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.check_hostname = True
     ctx.verify_mode = ssl.CERT_REQUIRED
-    if access.client_cert_pem is not None and access.client_key_pem is not None:
-        with _key_material_path(access.client_cert_pem + b"\n" + access.client_key_pem) as path:
+    if pair is not None:
+        with _key_material_path(pair[0] + b"\n" + pair[1]) as path:
             try:
                 ctx.load_cert_chain(path, password=lambda: b"")
             except ssl.SSLError as exc:
+                source = "the exec plugin's" if access.exec_plugin is not None else "the"
                 raise ConfigError(
-                    f"{where}: users[{access.user}]: the client certificate and key are not PEM, do not "
+                    f"{where}: users[{access.user}]: {source} client certificate and key are not PEM, do not "
                     "match, or the key is encrypted"
                 ) from exc
     return ctx
@@ -134,7 +140,10 @@ class KubernetesBackend:
         self._port = parts.port or 443
         self._prefix = parts.path.rstrip("/")
         self._server_hostname = access.tls_server_name or self._host
-        self._context = _ssl_context(access)
+        # An exec plugin's client certificate is known only once the plugin ran (first request).
+        self._pair = access.client_pair() if access.exec_plugin is None else None
+        self._context = _ssl_context(access, self._pair)
+        self._context_lock = threading.Lock()
 
     @classmethod
     def from_kubeconfig(
@@ -147,8 +156,25 @@ class KubernetesBackend:
 
     # -- HTTP ---------------------------------------------------------------
     def _request(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any, bytes]:
+        status, payload, raw = self._send(method, path, body)
+        if status == 401 and self.access.refresh():
+            log.info("the API server refused the exec plugin's credential; asking the plugin again")
+            status, payload, raw = self._send(method, path, body)
+        return status, payload, raw
+
+    def _tls(self, pair: tuple[bytes, bytes] | None) -> ssl.SSLContext:
+        if self.access.exec_plugin is None:
+            return self._context
+        with self._context_lock:
+            if pair != self._pair:
+                self._context = _ssl_context(self.access, pair)
+                self._pair = pair
+            return self._context
+
+    def _send(self, method: str, path: str, body: dict[str, Any] | None) -> tuple[int, Any, bytes]:
         headers = {"Accept": "application/json", "User-Agent": _USER_AGENT}
-        bearer = self.access.bearer()
+        bearer, pair = self.access.credentials()
+        context = self._tls(pair)
         if bearer:
             headers["Authorization"] = f"Bearer {bearer}"
         data = None
@@ -160,7 +186,7 @@ class KubernetesBackend:
             self._host,
             self._port,
             timeout=self.timeout,
-            context=self._context,
+            context=context,
             server_hostname=self._server_hostname,
         )
         try:

@@ -102,7 +102,24 @@ def test_insecure_skip_tls_verify_is_refused(write_kubeconfig: KubeconfigWriter,
         ({"context": {"cluster": "test", "user": "ghost"}}, "no user named 'ghost'"),
         ({"context": {"cluster": "prod", "user": "nodeserver"}}, "no cluster named 'prod'"),
         ({"user": {}}, "no credentials"),
-        ({"user": {"exec": {"command": "aws"}}}, "exec credential plugins are not supported"),
+        ({"user": {"exec": {"command": "aws"}}}, r"exec\.apiVersion: None is not supported"),
+        (
+            {"user": {"exec": {"apiVersion": "client.authentication.k8s.io/v1alpha1", "command": "aws"}}},
+            "v1alpha1 was removed",
+        ),
+        (
+            {
+                "user": {
+                    "token": "t",
+                    "exec": {
+                        "apiVersion": "client.authentication.k8s.io/v1",
+                        "command": "sh",
+                        "interactiveMode": "Never",
+                    },
+                }
+            },
+            "exec gives the credentials",
+        ),
         ({"user": {"auth-provider": {"name": "gcp"}}}, "auth-provider"),
         ({"user": {"username": "admin", "password": "pw"}}, "basic authentication"),
         ({"user": {"token": "a", "tokenFile": "/t"}}, "token or tokenFile, not both"),
