@@ -208,8 +208,11 @@ def test_bad_profiles_are_refused_by_both(profile: dict[str, Any]) -> None:
 
 def test_agent_files_both_ways() -> None:
     good = {"server": "10.0.0.5:8081", "require_ek_cert": "yes", "retry_initial_s": 0.5, "deadline_s": "25m"}
-    assert AGENT_FILES.is_valid(good)
-    AGENT.parse(good)
+    examples = [b for b in _yaml_blocks("join.md") if "trust_domain" in b and "cluster" not in b]
+    assert examples, "docs/join.md shows an /etc/nodeagent/config.yaml"
+    for doc in (good, *examples):
+        assert AGENT_FILES.is_valid(doc), doc
+        AGENT.parse(doc)
     for bad in (
         {"servr": "x:1"},
         {"server": "nowhere"},
