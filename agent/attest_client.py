@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import binascii
 import logging
+import re
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,10 +52,20 @@ class ServerTarget:
 
     @classmethod
     def parse(cls, address: str, trust_domain: str, bundle_pem: bytes) -> ServerTarget:
-        host, sep, port = address.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"server address {address!r} must be HOST:PORT")
-        return cls(host.strip("[]"), int(port), trust_domain, bundle_pem)
+        host, port = host_port(address)
+        return cls(host, port, trust_domain, bundle_pem)
+
+
+_PORT_RE = re.compile(r"[0-9]{1,5}")
+_HOST_RE = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*")
+
+
+def host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT`` -> (host, port); ValueError names what is wrong."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not _PORT_RE.fullmatch(port) or not 0 < int(port) < 65536 or not _HOST_RE.fullmatch(host):
+        raise ValueError(f"server address {address!r} must be HOST:PORT with a port of 1..65535")
+    return host.strip("[]"), int(port)
 
 
 async def attest_async(

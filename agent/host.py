@@ -10,8 +10,15 @@ libudev (pyudev) always reads the ``/sys`` of the running kernel, and programs
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass
 from pathlib import Path
+
+from agent.files import FileTooLargeError, read_bounded
+
+# /proc and /sys files are small; the largest the checks read (/proc/net/fib_trie of a big routing
+# table) stays far below this. A fixture tree or a container mount could hold anything.
+MAX_HOST_FILE_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -27,4 +34,10 @@ class Host:
         return self.root / absolute.lstrip("/")
 
     def read_text(self, absolute: str) -> str:
-        return self.path(absolute).read_text(encoding="utf-8", errors="replace")
+        """The text of a host file, bounded; too large or not a regular file is an :class:`OSError`."""
+        path = self.path(absolute)
+        try:
+            data = read_bounded(path, MAX_HOST_FILE_BYTES)
+        except FileTooLargeError as exc:
+            raise OSError(errno.EFBIG, str(exc), str(path)) from exc
+        return data.decode("utf-8", errors="replace")

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agent.attest_client import host_port
 from agent.errors import (
+    ConfigError,
     JoinConfigError,
     RefusedForNowError,
     ServerNotTrustedError,
@@ -157,8 +159,11 @@ async def _unary(
     from grpclib.const import Cardinality
     from grpclib.exceptions import GRPCError, StreamTerminatedError
 
-    host, _, port = address.rpartition(":")
-    channel = Channel(host.strip("[]"), int(port), ssl=tls, status_details_codec=DetailsCodec())
+    try:
+        host, port = host_port(address)
+    except ValueError as exc:
+        raise ConfigError(str(exc), hint="set join_server to HOST:PORT, e.g. join.example.org:8082") from exc
+    channel = Channel(host, port, ssl=tls, status_details_codec=DetailsCodec())
     try:
         async with channel.request(
             _METHODS[rpc], Cardinality.UNARY_UNARY, type(request), reply_type, timeout=timeout

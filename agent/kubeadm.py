@@ -34,7 +34,7 @@ from typing import Any
 import yaml
 
 from agent.errors import JoinConfigError, KubeadmError
-from agent.files import write_atomic
+from agent.files import read_bounded, write_atomic
 from agent.proc import CommandError, Failure, run
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ TIMEOUTS = {
     "kubernetesAPICall": "1m0s",
 }
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+MAX_JOIN_CONFIG_BYTES = 1024 * 1024
 
 _TOKEN_RE = re.compile(r"\A[a-z0-9]{6}\.[a-z0-9]{16}\Z")
 _TOKEN_IN_TEXT = re.compile(r"\b([a-z0-9]{6})\.[a-z0-9]{16}\b")
@@ -278,8 +279,8 @@ def write_join_config(path: Path, doc: dict[str, Any]) -> None:
 def _tokens_in(path: Path) -> list[str]:
     """The secrets inside a join configuration file, to redact them from kubeadm's output."""
     try:
-        doc = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        doc = yaml.safe_load(read_bounded(path, MAX_JOIN_CONFIG_BYTES))
+    except (OSError, ValueError, yaml.YAMLError):  # FileTooLargeError is a ValueError
         return []
     found: list[str] = []
     discovery = doc.get("discovery") if isinstance(doc, dict) else None

@@ -277,7 +277,12 @@ class Lifecycle:
             return Step.VERIFY
         from agent.attest_client import ServerTarget, attest
 
-        target = ServerTarget.parse(self.config.server, self.config.trust_domain, self._bundle())
+        try:
+            target = ServerTarget.parse(self.config.server, self.config.trust_domain, self._bundle())
+        except ValueError as exc:
+            raise ConfigError(
+                str(exc), hint="set server to HOST:PORT, e.g. attest.example.org:8081"
+            ) from exc
         svid = attest(
             target,
             tcti=self.config.tcti,

@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from agent.errors import PoolProfileError
+from agent.files import FileTooLargeError, read_bounded
 from protocol.errors import PolicyError
 from protocol.policy import PRESETS, PoolPolicy, policy_from_mapping, preset
 
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_POOL_FILE = "/etc/nodeagent/pool.yaml"
 POOL_ENV = "NODEAGENT_POOL_PROFILE"
+MAX_PROFILE_BYTES = 1024 * 1024
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -38,7 +40,12 @@ def load_pool(spec: str) -> PoolPolicy:
             ) from None
     path = Path(spec)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bounded(path, MAX_PROFILE_BYTES).decode("utf-8")
+    except (FileTooLargeError, UnicodeDecodeError) as exc:
+        raise PoolProfileError(
+            f"pool profile {path} is not a profile: {exc}",
+            hint="a profile is a small YAML file (see examples/pools/)",
+        ) from exc
     except OSError as exc:
         raise PoolProfileError(f"cannot read pool profile {path}: {exc.strerror}") from exc
     try:

@@ -149,10 +149,11 @@ class TinyServer:
         return self
 
     def stop(self) -> None:
-        if self._server is not None:
-            asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        if self._thread.is_alive():
+            if self._server is not None:
+                asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
         self._loop.close()
 
 
