@@ -203,6 +203,35 @@ def case_banned(env: Env) -> Callable[[Any], Any]:
     return lambda s: _honest(s, sim, _payload(sim.attestation_data()), _csr())
 
 
+def case_huge_json_integer(env: Env) -> Callable[[Any], Any]:
+    # 5,000 digits: Python's int() refuses more than 4,300, which once escaped as INTERNAL.
+    return lambda s: _honest(s, env.good, b'{"EK":' + b"7" * 5000 + b"}", _csr())
+
+
+def case_half_close_after_params(env: Env) -> Callable[[Any], Any]:
+    async def script(stream: Any) -> Any:
+        await stream.send_message(params(_payload(env.good.attestation_data()), _csr()), end=True)
+        await stream.recv_message()  # the challenge
+        return await stream.recv_message()
+
+    return script
+
+
+def case_half_close_before_params(env: Env) -> Callable[[Any], Any]:
+    async def script(stream: Any) -> Any:
+        await stream.send_request(end=True)
+        return await stream.recv_message()
+
+    return script
+
+
+def case_pem_flood(env: Env) -> Callable[[Any], Any]:
+    # Repeated BEGIN lines once cost the event loop seconds of regex backtracking per request.
+    doc = _json_payload(env.good)
+    doc["EK"] = base64.b64encode(b"-----BEGIN A-----\n" * 150).decode()
+    return lambda s: _honest(s, env.good, json.dumps(doc).encode(), _csr())
+
+
 CASES: list[tuple[str, Callable[[Env], Callable[[Any], Any]], str, str]] = [
     ("malformed JSON", case_malformed_json, "INVALID_ARGUMENT", "payload_malformed"),
     ("bad base64", case_bad_base64, "INVALID_ARGUMENT", "payload_malformed"),
@@ -233,6 +262,10 @@ CASES: list[tuple[str, Callable[[Env], Callable[[Any], Any]], str, str]] = [
     ("CSR that is not a CSR", case_not_a_csr, "INVALID_ARGUMENT", "bad_csr"),
     ("no CSR", case_no_csr, "INVALID_ARGUMENT", "malformed_params"),
     ("banned agent", case_banned, "PERMISSION_DENIED", "banned"),
+    ("JSON integer of 5,000 digits", case_huge_json_integer, "INVALID_ARGUMENT", "payload_malformed"),
+    ("PEM of repeated BEGIN lines", case_pem_flood, "INVALID_ARGUMENT", "payload_malformed"),
+    ("half-close after params (SPIRE: Internal)", case_half_close_after_params, "INTERNAL", "stream_ended"),
+    ("half-close before params", case_half_close_before_params, "INVALID_ARGUMENT", "stream_ended"),
 ]
 
 
