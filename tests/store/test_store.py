@@ -227,6 +227,26 @@ def test_expired_tokens_and_forget(store: SqlStore) -> None:
     assert list(store.expired_tokens(300)) == [other, late]
 
 
+def test_stale_tokens_are_the_revoked_and_the_expired(store: SqlStore) -> None:
+    store.record_attestation(agent(A))
+    store.record_attestation(agent(B))
+    replaced, live, expired = (
+        token(A, expires_at=FAR_FUTURE),
+        token(A, expires_at=FAR_FUTURE),
+        token(B, expires_at=200),
+    )
+    store.replace_token(replaced)
+    store.replace_token(live)  # replaced is revoked: the backend may still hold it
+    store.replace_token(expired)
+    assert {t.token_id for t in store.stale_tokens(100)} == {replaced.token_id}
+    assert {t.token_id for t in store.stale_tokens(300)} == {replaced.token_id, expired.token_id}
+    assert store.revoke_token(A, live.token_id) is True
+    assert {t.token_id for t in store.stale_tokens(100)} == {replaced.token_id, live.token_id}
+    for t in (replaced, live, expired):
+        store.forget_token(t.agent_id, t.token_id)
+    assert list(store.stale_tokens(FAR_FUTURE + 1)) == []
+
+
 # -- join requests and history -------------------------------------------------
 
 
@@ -264,6 +284,18 @@ def test_joins_history(store: SqlStore) -> None:
     store.record_attestation(agent(A))
     store.delete_agent(A)
     assert store.joins_for(A) == [first, second]  # history outlives the agent
+
+
+def test_joins_are_counted_per_agent_and_pruned(store: SqlStore) -> None:
+    for at in (100, 200, 300):
+        store.record_join(JoinRecord(A, "node-1", "gpu", f"tok{at}", "pass", at))
+    store.record_join(JoinRecord(B, "node-2", "gpu", "tokb", "pass", 300))
+    assert store.count_joins_since(A, 200) == 2
+    assert store.count_joins_since(A, 301) == 0
+    assert store.count_joins_since(B, 0) == 1
+    assert store.prune_joins(250) == 2
+    assert [j.at for j in store.joins_for(A)] == [300]
+    assert store.prune_joins(250) == 0
 
 
 # -- node lock -----------------------------------------------------------------
