@@ -47,7 +47,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import msgspec
 import yaml
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.config.models import User
@@ -342,7 +341,12 @@ def _lightkube(doc: dict[str, Any], path: Path, ctx_name: str) -> SingleConfig:
     """The context resolved by lightkube's loader (the raw document was checked before)."""
     try:
         loaded = KubeConfig.from_dict(doc, fname=path).get(ctx_name)
-    except (LightkubeConfigError, KeyError, TypeError, msgspec.ValidationError) as exc:
+    except (
+        LightkubeConfigError,
+        KeyError,
+        TypeError,
+        ValueError,
+    ) as exc:  # msgspec's errors are ValueErrors
         raise ConfigError(f"kubeconfig {path}: cannot be loaded ({exc})") from None
     if loaded is None:  # pragma: no cover - get() with a context name never returns the default
         raise ConfigError(f"kubeconfig {path}: no context {ctx_name!r}")
