@@ -118,7 +118,11 @@ def _lines(state: State, joined: bool) -> list[str]:
             else f"transient, attempt {state.attempts}"
         )
         lines.append(f"last error ({e.step}, {kind}): {e.message}")
-        lines.append(f"reason: {e.reason or row.name} (exit status {e.exit_status}, {row.name})")
+        reason = e.reason or row.name
+        lines.append(
+            f"exit status: {e.exit_status} ({row.name})"
+            + (f", server's reason: {reason}" if reason != row.name else "")
+        )
         if e.hint:
             lines.append(f"what to do: {e.hint}")
     return lines
