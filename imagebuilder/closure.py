@@ -34,24 +34,17 @@ log = logging.getLogger(__name__)
 def _entry(staged: StagedFile) -> aptindex.PackageEntry:
     """The package index entry of a locked deb, from its own control fields."""
     control = aptindex.parse_stanzas(run(["dpkg-deb", "--field", str(staged.path)]).text)[0]
-    relations = ", ".join(v for k in ("Pre-Depends", "Depends") if (v := control.get(k)))
     if control.get("Package") != staged.item.name:
         raise LockError(
             f"{staged.item.key}: the deb is package {control.get('Package')!r}, the lock says {staged.item.name!r}",
             hint="run `imagebuilder lock` again and review the diff",
         )
-    return aptindex.PackageEntry(
-        name=control["Package"],
-        version=control["Version"],
-        architecture=control["Architecture"],
+    return aptindex.entry_from_control(
+        control,
         url=staged.path.as_uri(),
         size=staged.item.size,
         sha256=staged.item.sha256,
         repository="lock",
-        depends=tuple(tuple(group) for group in aptindex.parse_relations(relations)),
-        provides=tuple(
-            r.name for group in aptindex.parse_relations(control.get("Provides", "")) for r in group
-        ),
     )
 
 

@@ -28,6 +28,7 @@ import re
 import tempfile
 import time
 import urllib.parse
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -281,7 +282,30 @@ def implied_problems(
             wrong.append(f"{key}: only a compiled wheel has an sdist: URL")
         if item.role in ("apt", "stage", "wheelhouse", "sdist", "compiled") and not item.filename:
             wrong.append(f"{key}: no filename")
+    wrong += _shared_files(by_key.values())
     return missing, extra, wrong
+
+
+def _shared_files(inputs: Iterable[LockedInput]) -> list[str]:
+    """Two inputs that would be the same file on a medium (the flat apt repository, the wheelhouse, one
+    staged Kubernetes version's folder, an artifact's folder)."""
+    places: dict[tuple[str, str], list[str]] = {}
+    for item in inputs:
+        kind = item.key.split("/", 1)[0]
+        if item.role == "apt":
+            folder = "apt"
+        elif item.role in ("wheelhouse", "compiled"):
+            folder = "wheels"
+        elif kind == "kubernetes":
+            folder = item.key.rsplit("/", 1)[0]
+        else:
+            folder = item.key
+        places.setdefault((folder, item.filename), []).append(item.key)
+    return [
+        f"{', '.join(sorted(keys))}: the same file {name!r} in {folder}/"
+        for (folder, name), keys in sorted(places.items())
+        if len(keys) > 1 and name
+    ]
 
 
 def _project(requirement: str) -> str:

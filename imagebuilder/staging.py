@@ -71,6 +71,9 @@ class StagedFile:
 def place(source: Path, dest: Path) -> None:
     """Hard-link (cache entries are never modified) or copy ``source`` to ``dest``, mode 0644."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.unlink(
+        missing_ok=True
+    )  # whatever was there (a link of ours included) is replaced, never written through
     try:
         os.link(source, dest)
     except OSError:

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from imagebuilder.definition import load_definition, schema, validate
+from imagebuilder import schemacheck
+from imagebuilder.definition import MAX_DEFINITION_BYTES, load_definition, schema, validate
 from imagebuilder.errors import DefinitionError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,6 +103,22 @@ INVALID = [
     ("packages", ["Bad Name"], "packages[0]"),
     ("watchdog", {"boot": 1}, "watchdog.boot: 1 is less than the minimum of 5"),
     ("user", {"name": "root!"}, "user.name: 'root!' does not match"),
+    # strings that become paths in the target or on the media, or fields of the staging plan (issue 11)
+    ("artifacts", [{"name": "x", "version": "1", "kind": "binary", "urls": "https://x/y",
+                    "destination": "/opt/../etc/cron.d/"}],
+     "artifacts[0].destination: '/opt/../etc/cron.d/' should not be valid"),
+    ("artifacts", [{"name": "x", "version": "1", "kind": "binary", "urls": "https://x/y",
+                    "destination": "/opt/x\n"}], "artifacts[0].destination: '/opt/x\\n' does not match"),
+    ("artifacts", [{"name": "x", "version": "1\tfile", "kind": "binary", "urls": "https://x/y",
+                    "destination": "/opt/x"}], "artifacts[0].version"),
+    ("agent.units", [{"source": "../../etc/shadow", "destination": "/usr/lib/x.service"}], "agent.units[0].source"),
+    ("agent.units", [{"source": "/etc/shadow", "destination": "/usr/lib/x.service"}], "agent.units[0].source"),
+    ("installer.kernel", "../../boot/vmlinuz", "installer.kernel"),
+    ("installer.base_manifests", ["/casper/x.manifest"], "installer.base_manifests[0]"),
+    ("installer.iso.sha256", "a" * 64 + "\n", "installer.iso.sha256"),
+    ("packages", ["kubeadm\n"], "packages[0]"),
+    ("user", {"name": "admin", "ssh_authorized_keys": ["ssh-ed25519 AAAA\nssh-rsa BBBB"]},
+     "user.ssh_authorized_keys[0]"),
 ]  # fmt: skip
 
 
@@ -198,3 +215,21 @@ def test_the_schema_is_valid_json_schema_for_editors() -> None:
     shipped = REPO / "imagebuilder/schemas/definition.schema.json"
     assert json.loads(shipped.read_text()) == schema()
     assert validate(minimal()) == []
+
+
+def test_a_pattern_end_is_the_end_of_the_string() -> None:
+    """JSON Schema patterns are ECMA-262: ``$`` never matches before a final newline, as Python's would."""
+    assert schemacheck.ecma_pattern("^[a-f]{2}$") == r"^[a-f]{2}\Z"
+    assert schemacheck.ecma_pattern(r"^a\$[$]$") == r"^a\$[$]\Z"
+    schema = {"type": "string", "pattern": "^[0-9a-f]{4}$"}
+    assert schemacheck.validate(schema, "beef") == []
+    assert schemacheck.validate(schema, "beef\n") == [
+        "(top level): 'beef\\n' does not match '^[0-9a-f]{4}$'"
+    ]
+
+
+def test_an_oversized_definition_is_refused_before_parsing(tmp_path: Path) -> None:
+    path = tmp_path / "huge.yaml"
+    path.write_bytes(b"name: x\n" + b"#" * MAX_DEFINITION_BYTES)
+    with pytest.raises(DefinitionError, match="larger than 1024 KiB"):
+        load_definition(path)

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import tarfile
 from pathlib import Path
 
 import pytest
 
 from imagebuilder.definition import load_definition
-from imagebuilder.lock import LockedInput
+from imagebuilder.errors import BuildError, LockError
+from imagebuilder.lock import LockedInput, plain_name
 from imagebuilder.staging import (
     EXPORT_SERIAL,
     PROVISION_HOOK,
     StagedFile,
     base_tree,
     build_tree,
+    check_archives,
+    staged_files,
     tree_digest,
 )
 
@@ -57,7 +63,10 @@ def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
     assert f"file\tfiles/tool/{spire.name}\t/usr/local/bin/tool\t0755" in plan
     assert "dir\t/etc/nodeagent\t0700" in plan
     assert f"venv\t/opt/nodeagent/venv\tnodetrust[agent]==0.1.0\t{wheel.name}" in plan
-    assert "file\tunits/agent_systemd_nodeagent.service\t/usr/lib/systemd/system/nodeagent.service\t0644" in plan
+    assert (
+        "file\tunits/agent_systemd_nodeagent.service\t/usr/lib/systemd/system/nodeagent.service\t0644"
+        in plan
+    )
     assert "enable\tnodeagent.service\trequired" in plan
     assert "enable\tsystemd-time-wait-sync.service\toptional" in plan
     assert "user\tnodeadmin\tyes\t/bin/bash\tkeys/nodeadmin.keys" in plan
@@ -125,3 +134,75 @@ def test_the_base_plan_and_what_moves_its_digest(tmp_path: Path, payload_root: P
     assert (tmp_path / "staging/apt/kubeadm_1.36.3-1.1_amd64.deb").exists()
     assert not [line for line in staging_plan if line.startswith("export")]
     assert not (tmp_path / "staging/provision-init").exists()
+
+
+def _tarball(tmp_path: Path, members: list[tarfile.TarInfo]) -> StagedFile:
+    path = tmp_path / "artifact.tar.gz"
+    with tarfile.open(path, "w:gz") as archive:
+        for member in members:
+            data = b"content\n" if member.isfile() else b""
+            member.size = len(data)
+            archive.addfile(member, io.BytesIO(data) if data else None)
+    return _item("artifact/tool", "tarball", "stage", path, destination="/opt/tool/1.0/", strip_components=1)
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode = kind, link, 0o755
+    return info
+
+
+def test_a_well_formed_artifact_tarball_passes_and_is_listed(tmp_path: Path) -> None:
+    staged = _tarball(tmp_path, [_member("tool-1.0", tarfile.DIRTYPE), _member("tool-1.0/bin/tool"),
+                                 _member("tool-1.0/bin/t", tarfile.SYMTYPE, "tool"),
+                                 _member("tool-1.0/bin/again", tarfile.LNKTYPE, "tool-1.0/bin/tool")])  # fmt: skip
+    check_archives([staged])
+    defn = load_definition(
+        REPO / "examples/fixture-node.yaml", environ={"IMAGEBUILDER_FIXTURE_ISO": "/x.iso"}
+    )
+    listed = {e["path"]: e for e in staged_files(defn, [staged])}
+    assert listed["/opt/tool/1.0/bin/tool"]["mode"] == "0755"
+    assert listed["/opt/tool/1.0/bin/t"] == {
+        "group": "tool 1",
+        "path": "/opt/tool/1.0/bin/t",
+        "link": "tool",
+    }
+
+
+EVIL_MEMBERS = [
+    ([_member("/etc/cron.d/evil")], "'/etc/cron.d/evil' has an absolute name"),
+    ([_member("tool-1.0/../../../etc/shadow")], "has a .. component"),
+    ([_member("tool-1.0/dev/sda", tarfile.CHRTYPE)], "is a device or a FIFO"),
+    ([_member("tool-1.0/pipe", tarfile.FIFOTYPE)], "is a device or a FIFO"),
+    ([_member("tool-1.0/shadow", tarfile.LNKTYPE, "/etc/shadow")], "is a hard link to '/etc/shadow', outside the archive"),
+    ([_member("tool-1.0/etc", tarfile.SYMTYPE, "/etc"), _member("tool-1.0/etc/cron.d/evil")],
+     "lies under the symbolic link tool-1.0/etc (extracting it would write through the link)"),
+    ([_member("tool-1.0/bin/tool\nfile\tx")], "has a control character in its name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("members", "why"), EVIL_MEMBERS, ids=[str(i) for i in range(len(EVIL_MEMBERS))])
+def test_an_artifact_tarball_that_could_write_outside_its_destination_is_refused(
+    tmp_path: Path, members: list[tarfile.TarInfo], why: str
+) -> None:
+    staged = _tarball(tmp_path, members)
+    with pytest.raises(BuildError) as caught:
+        check_archives([staged])
+    assert caught.value.message.startswith("tool: artifact.tar.gz: member ") and why in caught.value.message
+
+
+def test_lock_fields_never_become_paths_outside_the_staging_tree(tmp_path: Path, payload_root: Path) -> None:
+    deb = next(payload_root.glob("k8s/core:/stable:/v1.37/deb/amd64/kubeadm_*.deb"))
+    bad = _item("kubernetes/1.37.2/kubeadm", "deb", "stage", deb, destination="/opt/k/")
+    bad = StagedFile(dataclasses.replace(bad.item, filename="../../../escaped.deb"), deb)
+    defn = load_definition(
+        REPO / "examples/fixture-node.yaml", environ={"IMAGEBUILDER_FIXTURE_ISO": "/x.iso"}
+    )
+    with pytest.raises(LockError, match=r"'\.\./\.\./\.\./escaped\.deb' is not a plain file name"):
+        build_tree(tmp_path / "tree", defn, [bad], wheels=[], pip_wheel="pip-1-py3-none-any.whl",
+                   agent_requirement="nodetrust==0.1.0", image_info={})  # fmt: skip
+    assert not list(tmp_path.rglob("escaped.deb"))
+    assert plain_name("kubeadm_1.37.2-1.1_amd64.deb") == "kubeadm_1.37.2-1.1_amd64.deb"
+    for name in ("..", ".", "a/b", "-rf", "x\n", ""):
+        with pytest.raises(LockError):
+            plain_name(name)
