@@ -376,13 +376,13 @@ class _Resolver:
     # -- choosing ----------------------------------------------------------------------------
 
     def candidates(self, relation: Relation) -> list[PackageEntry]:
-        """Real packages of that name first (newest first), then its providers when it has no real one."""
+        """Real packages of that name that fit (newest first); else the packages that provide it."""
         real = [
             p
             for p in self.by_name.get(relation.name, [])
             if satisfies(p.version, relation.op, relation.version)
         ]
-        if real or relation.name in self.by_name:
+        if real:
             return _newest_first(real)
         providing = [
             e for e, p in self.providers.get(relation.name, []) if _provision_satisfies(p, relation)

@@ -302,3 +302,12 @@ def test_the_final_selection_is_checked_as_a_whole() -> None:
         LockError, match=r"a 1 depends on c \(<< 2\), which the final selection no longer meets"
     ):
         resolve([("a", None), ("b", None)], index, base)
+
+
+def test_a_versioned_provides_stands_in_for_a_real_package_that_is_too_old() -> None:
+    index = _index(
+        _stanza("needs-foo", "1", depends="foo (>= 2)")
+        + _stanza("foo", "1.0")
+        + _stanza("foo-ng", "3", provides="foo (= 2.5)")
+    )
+    assert _names(resolve([("needs-foo", None)], index, BASE)) == {"needs-foo": "1", "foo-ng": "3"}
