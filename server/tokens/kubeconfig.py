@@ -252,7 +252,13 @@ def load_kubeconfig(path: Path, *, context: str | None = None) -> ClusterAccess:
         plugin = parse_exec(
             user["exec"], where=f"{uwhere}.exec", resolve=lambda c: _command(c, base, uwhere)
         )
-    loaded = _lightkube(doc, path, ctx_name)
+    # Only the entries in use go to lightkube: a broken entry of another context does not matter.
+    selected = {
+        "clusters": [{"name": cluster_name, "cluster": cluster}],
+        "users": [{"name": user_name, "user": user}],
+        "contexts": [{"name": ctx_name, "context": ctx}],
+    }
+    loaded = _lightkube(selected, path, ctx_name)
     server = loaded.cluster.server
     tls_server_name = _string(cluster, "tls-server-name", cwhere)
     ca_pem = _pem_or_file(cluster, "certificate-authority", base, cwhere)

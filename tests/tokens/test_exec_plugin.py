@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from server.errors import ConfigError, TokenBackendError
 from server.tokens.execcred import ExecPlugin, parse_credential, run_plugin
@@ -259,3 +260,12 @@ def test_a_relative_command_is_relative_to_the_kubeconfig(
     access = load_kubeconfig(write_kubeconfig(user=exec_user(plugin, command="bin/credential-plugin")))
     assert access.exec_plugin is not None and access.exec_plugin.command == str(plugin.path)
     assert access.bearer() == SA_TOKEN
+
+
+def test_a_broken_entry_of_another_context_does_not_matter(write_kubeconfig: KubeconfigWriter) -> None:
+    path = write_kubeconfig()
+    doc = yaml.safe_load(path.read_text())
+    doc["users"].append({"name": "someone-else", "user": {"exec": {"command": "aws"}}})  # no apiVersion
+    doc["clusters"].append({"name": "elsewhere", "cluster": {"server": 5}})
+    path.write_text(yaml.safe_dump(doc))
+    assert load_kubeconfig(path).bearer() == SA_TOKEN
