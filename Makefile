@@ -57,6 +57,7 @@ bench: deps
 	$(PY) bench/join.py
 	$(PY) -m bench.store
 	$(PY) -m bench.check
+	$(PY) -m bench.flood
 
 bench-build: deps
 	scripts/services.sh start

@@ -416,6 +416,10 @@ def main() -> int:
         "listen": "127.0.0.1:0",
         "metrics_listen": "off",
         "ek_trust": {"ca_dir": str(work / "ek-ca")},
+        # Every simulated node comes from 127.0.0.1: lift the per-address limits a real fleet,
+        # spread over many addresses, never meets.
+        "attest_rate_per_ip": 0,
+        "peer_max_inflight": 100_000,
     }
     if args.store:
         config["store"] = args.store

@@ -156,6 +156,9 @@ def _run(args: argparse.Namespace) -> int:
             "join_listen": "127.0.0.1:0",
             "metrics_listen": "off",
             "ek_trust": {"ca_dir": str(work / "ek-ca")},
+            # Every simulated node comes from 127.0.0.1: lift the per-address limits.
+            "attest_rate_per_ip": 0,
+            "peer_max_inflight": 100_000,
             "cluster": {
                 "api_server_endpoint": "10.0.0.10:6443",
                 "ca_cert": str(work / "cluster-ca.pem"),
