@@ -21,7 +21,7 @@ in-flight cap stays on.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -162,7 +162,8 @@ def main() -> None:
             pem_flood_reason=sorted(set(reasons)),
         )
         print(
-            f"  PEM flood: a {len(pem_flood) / 1000:.0f} KB payload of repeated BEGIN lines costs {per_flood * 1000:.2f} ms of server CPU "
+            f"  PEM flood: a {len(pem_flood) / 1000:.0f} KB payload of repeated BEGIN lines costs "
+            f"{per_flood * 1000:.2f} ms of server CPU "
             f"({sorted(set(reasons))}) = {per_flood / per_honest:.2f}x an honest attestation "
             f"({per_honest * 1000:.2f} ms)"
         )
@@ -182,10 +183,8 @@ def main() -> None:
             return await stream.recv_message()
 
         for _ in range(10):
-            try:
+            with contextlib.suppress(RpcFailed):
                 run_stream(address, bundle, script)
-            except RpcFailed:
-                pass
         per_request = (audit.stat().st_size - size0) / 10
         figures["audit_bytes_per_900kb_request"] = round(per_request)
         print(f"  logging flood: a 900 KB attestor name writes {per_request:.0f} bytes of audit per request")
