@@ -13,7 +13,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from agent.errors import AgentError
+from agent.commands import KeepLinesFormatter
+from agent.errors import AgentError, exit_status_help
 from protocol.version import add_version_argument
 
 COMMAND_MODULES = (
@@ -33,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Node agent: proves this machine's identity with its TPM to a SPIRE-compatible server, "
             "verifies its GPUs and readiness, and only then fetches kubeadm join credentials."
         ),
-        epilog="Run `nodeagent COMMAND --help` for the options of each command.",
+        epilog="Run `nodeagent COMMAND --help` for the options of each command.\n\n" + exit_status_help(),
+        formatter_class=KeepLinesFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     add_version_argument(parser, "nodeagent")

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from agent.commands import KeepLinesFormatter
 from agent.config import CONFIG_DIR, describe, load_config
 from agent.errors import exit_status_help
 
@@ -21,7 +22,7 @@ def register(sub: Any) -> None:
             "--json prints the same as one JSON document with stable keys, for fleet tooling (docs/join.md)."
         ),
         epilog=exit_status_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=KeepLinesFormatter,
     )
     p.add_argument(
         "--config-dir", default=str(CONFIG_DIR), help=f"configuration folder (default {CONFIG_DIR})"

@@ -85,9 +85,10 @@ def test_help_lists_the_table() -> None:
 
 
 @pytest.mark.subprocess
-def test_status_help_shows_the_table() -> None:
+@pytest.mark.parametrize("command", [[], ["status"]], ids=["nodeagent", "nodeagent status"])
+def test_help_shows_the_table(command: list[str]) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "agent.cli", "status", "--help"],
+        [sys.executable, "-m", "agent.cli", *command, "--help"],
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
     ).stdout  # fmt: skip
     for e in EXIT_STATUSES:
