@@ -10,6 +10,7 @@ from typing import Any
 from imagebuilder import interrupt
 from imagebuilder.build import BuildOptions, build
 from imagebuilder.cache import default_cache_dir
+from imagebuilder.commands.options import COMMAND_OPTIONS, TABLE
 from imagebuilder.errors import DefinitionError
 from imagebuilder.watch import PHASES
 
@@ -38,30 +39,9 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("definition", type=Path, help="definition YAML, locked by `imagebuilder lock`")
     parser.add_argument(
-        "--lock", type=Path, default=None, help="lock file (default: <definition>.lock.json)"
-    )
-    parser.add_argument(
         "--out", type=Path, default=Path("out"), help="where build folders are published (default: out/)"
     )
-    parser.add_argument(
-        "--cache-dir", type=Path, default=None, help=f"download cache (default: {default_cache_dir()})"
-    )
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=None,
-        help="where the temporary work directory goes "
-        "(default: $TMPDIR or /var/tmp; needs room for the disk)",
-    )
-    parser.add_argument(
-        "--libvirt-uri", default="qemu:///system", help="libvirt connection (default: qemu:///system)"
-    )
-    parser.add_argument(
-        "--accel",
-        choices=("auto", "kvm", "tcg"),
-        default="auto",
-        help="auto: KVM if a probe boot works, else TCG (default)",
-    )
+    TABLE.add_arguments(parser, COMMAND_OPTIONS["build"], typed=True)
     parser.add_argument(
         "--network",
         choices=("listener", "none"),
@@ -89,7 +69,6 @@ def register(subparsers: Any) -> None:
         "(the new base replaces the cached one)",
     )
     parser.add_argument("--key", type=Path, default=None, help="sign the build folder with this private key")
-    parser.add_argument("--keep-work", action="store_true", help="keep the work directory (for debugging)")
     parser.add_argument(
         "--progress",
         type=Path,

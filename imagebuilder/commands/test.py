@@ -13,6 +13,7 @@ from imagebuilder import boottest, interrupt
 from imagebuilder.accel import boot_id, choose_accel
 from imagebuilder.buildfolder import MANIFEST, QCOW2_MEDIA_TYPE
 from imagebuilder.cache import default_cache_dir
+from imagebuilder.commands.options import COMMAND_OPTIONS, TABLE
 from imagebuilder.errors import OutputError
 
 log = logging.getLogger(__name__)
@@ -46,27 +47,7 @@ def register(subparsers: Any) -> None:
         default=None,
         help="the build's manifest.json (default: the one in the build folder, or next to the .qcow2)",
     )
-    parser.add_argument(
-        "--accel",
-        choices=("auto", "kvm", "tcg"),
-        default="auto",
-        help="auto: KVM if it works on this host (the verdict of a build's probe), else TCG (default)",
-    )
-    parser.add_argument(
-        "--work-dir",
-        type=Path,
-        default=None,
-        help="where the temporary VM files go (default: $TMPDIR or /var/tmp; QEMU's user must reach it)",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help=f"where the KVM probe's verdict is cached (default: {default_cache_dir()})",
-    )
-    parser.add_argument(
-        "--libvirt-uri", default="qemu:///system", help="libvirt connection (default: qemu:///system)"
-    )
+    TABLE.add_arguments(parser, COMMAND_OPTIONS["test"], typed=True)
     parser.add_argument(
         "--report",
         type=Path,
@@ -81,9 +62,6 @@ def register(subparsers: Any) -> None:
         "--timeout", type=float, default=boottest.TOTAL_S, metavar="SECONDS",
         help=f"give up on the boot after this long (default: {boottest.TOTAL_S:.0f})",
     )  # fmt: skip
-    parser.add_argument(
-        "--keep-work", action="store_true", help="keep the VM's work directory (console, seed)"
-    )
     parser.set_defaults(func=run)
 
 
