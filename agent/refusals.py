@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from google.protobuf.message import DecodeError
 from grpclib.encoding.base import StatusDetailsCodecBase
 
 from agent.errors import (
@@ -328,4 +329,7 @@ class DetailsCodec(StatusDetailsCodecBase):
         raise NotImplementedError("the agent never sends status details")
 
     def decode(self, status: Any, message: str | None, data: bytes) -> status_details.ErrorDetail:
-        return status_details.decode(data)
+        try:
+            return status_details.decode(data)
+        except (DecodeError, ValueError, TypeError):  # a packed detail whose own bytes are corrupt
+            return status_details.ErrorDetail(reason=None)

@@ -131,3 +131,15 @@ def test_refusal_classes_are_the_errors_tables() -> None:
         c for _, c in inspect.getmembers(agent.errors, inspect.isclass) if issubclass(c, RefusalError)
     }
     assert {rule.error for rule in RULES.values()} <= classes
+
+
+def test_a_corrupt_packed_detail_is_no_detail() -> None:
+    """A Status whose ErrorInfo bytes are corrupt must not escape the codec as a DecodeError."""
+    from google.protobuf import any_pb2
+    from google.rpc import status_pb2
+
+    corrupt = any_pb2.Any(type_url="type.googleapis.com/google.rpc.ErrorInfo", value=b"\xff\xff\xff")
+    raw = status_pb2.Status(code=7, details=[corrupt]).SerializeToString()
+    detail = DetailsCodec().decode(None, "m", raw)
+    assert detail.reason is None
+    assert type(refusal(Rpc.JOIN, "PERMISSION_DENIED", "m", detail)) is JoinRefusedError
