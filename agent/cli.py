@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Node agent: proves this machine's identity with its TPM to a SPIRE-compatible server, "
             "verifies its GPUs and readiness, and only then fetches kubeadm join credentials."
         ),
-        epilog="Run `nodeagent COMMAND --help` for the options of each command.\n\n" + exit_status_help(),
+        epilog="Run `nodeagent COMMAND --help` for the options of each command; every setting: docs/settings.md.\n\n"
+        + exit_status_help(),
         formatter_class=KeepLinesFormatter,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")

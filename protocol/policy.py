@@ -29,6 +29,7 @@ check is ``fail``.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -270,7 +271,8 @@ def _validate_shape(data: Any) -> None:
 
 def _version(key: str, text: str, parts: tuple[int, ...]) -> str:
     pieces = text.removeprefix("v").split(".")
-    if len(pieces) not in parts or not all(p.isdigit() for p in pieces):
+    # ASCII digits, matched whole (str.isdigit also takes "²" and other Unicode digits)
+    if len(pieces) not in parts or not all(re.fullmatch(r"[0-9]{1,9}", p) for p in pieces):
         shape = {(2, 3, 4): "like 570.124.06", (2,): "like 12.8", (2, 3): "like 1.31 or v1.31.4"}[parts]
         raise PolicyError(f"{key}: {text!r} is not a version {shape}")
     return text

@@ -30,7 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
             "SPIRE-compatible attestation server (TPM node attestation, X509-SVIDs) and join-credential broker "
             "(one-time kubeadm bootstrap tokens for attested, verified nodes)."
         ),
-        epilog="Run `nodeserver COMMAND --help` for the options of each command. Configuration: docs/attestation.md.",
+        epilog=(
+            "Run `nodeserver COMMAND --help` for the options of each command. Every configuration key: "
+            "docs/settings.md; running the server: docs/attestation.md."
+        ),
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     add_version_argument(parser, "nodeserver")

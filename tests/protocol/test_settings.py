@@ -252,3 +252,17 @@ def test_size_pattern_and_parser_agree(value: str) -> None:
         ours = False
     schema = Draft202012Validator({"type": "object", "properties": {"s": dict(kind.schema)}})
     assert schema.is_valid({"s": value}) is ours
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("min_driver", "570.124.06\n"),
+        ("min_driver", "570.\u00b2.06"),  # str.isdigit() says yes to a superscript two
+        ("min_cuda", "12.\u0668"),  # an Arabic-Indic digit
+        ("min_cuda", "12.8 "),
+    ],
+)
+def test_profile_versions_are_ascii_digits_matched_whole(key: str, value: str) -> None:
+    with pytest.raises(PolicyError, match=f"gpu.{key}: .* is not a version"):
+        policy_from_mapping({"name": "p", "gpu": {key: value}})
