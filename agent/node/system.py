@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import re
 import socket
 import struct
 
@@ -13,6 +14,8 @@ from agent.host import Host
 from protocol.report import JsonValue
 
 log = logging.getLogger(__name__)
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+_HEX32 = re.compile(r"[0-9A-Fa-f]{1,8}")
 
 Obs = dict[str, JsonValue]
 
@@ -83,7 +86,7 @@ def swap(host: Host) -> Obs:
     devices: list[JsonValue] = []
     for line in lines:
         parts = line.split()
-        if len(parts) >= 4 and parts[2].isdigit():
+        if len(parts) >= 4 and _DECIMAL.fullmatch(parts[2]):
             devices.append({"name": parts[0], "type": parts[1], "size_kib": int(parts[2])})
     return {"devices": devices, "error": None}
 
@@ -176,7 +179,9 @@ def network(host: Host) -> Obs:
     default: JsonValue = None
     for line in routes:
         f = line.split()
-        if len(f) >= 8 and f[1] == "00000000" and f[7] == "00000000" and int(f[3], 16) & 0x1:
+        if len(f) < 8 or not all(_HEX32.fullmatch(x) for x in (f[2], f[3])):
+            continue  # not a route line of the kernel's format
+        if f[1] == "00000000" and f[7] == "00000000" and int(f[3], 16) & 0x1:
             gateway = socket.inet_ntoa(struct.pack("<I", int(f[2], 16)))
             default = {"interface": f[0], "gateway": gateway}
             break

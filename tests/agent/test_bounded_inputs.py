@@ -93,3 +93,23 @@ def test_a_bad_join_server_is_a_config_error_not_a_crash(tmp_path: Path) -> None
             )  # fmt: skip
     finally:
         srv.stop()
+
+
+def test_malformed_proc_files_do_not_crash_the_checks(tmp_path: Path) -> None:
+    """Under --host-root the files can hold anything; a line that is not the kernel's is skipped."""
+    from agent.node import system
+
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    (proc / "swaps").write_text(
+        "Filename Type Size Used Priority\n/swap file ²³ 0 -2\n/dev/sda2 partition 1024 0 -1\n"
+    )
+    (proc / "net" / "fib_trie").write_text("")
+    (proc / "net" / "route").write_text(
+        "Iface\tDestination\tGateway\tFlags\tRefCnt\tUse\tMetric\tMask\n"
+        "eth0\t00000000\tnot-hex\t0003\t0\t0\t0\t00000000\n"
+        "eth1\t00000000\t0100000A\t0003\t0\t0\t0\t00000000\n"
+    )
+    host = Host(tmp_path)
+    assert system.swap(host)["devices"] == [{"name": "/dev/sda2", "type": "partition", "size_kib": 1024}]
+    assert system.network(host)["default_route"] == {"interface": "eth1", "gateway": "10.0.0.1"}
