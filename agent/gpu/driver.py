@@ -79,7 +79,7 @@ def processes(host: Host, names: tuple[str, ...]) -> dict[str, list[int]]:
         log.warning("cannot list %s: %s", proc, exc)
         return found
     for entry in entries:
-        if not entry.isdigit():
+        if not entry.isascii() or not entry.isdigit():
             continue
         try:
             comm = (proc / entry / "comm").read_text(encoding="utf-8", errors="replace").strip()

@@ -81,7 +81,7 @@ def _kmsg(host: Host) -> KernelLog:
         if not sep:
             continue
         fields = header.split(",")
-        if first_seq is None and len(fields) > 1 and fields[1].isdigit():
+        if first_seq is None and len(fields) > 1 and fields[1].isascii() and fields[1].isdigit():
             first_seq = int(fields[1])
         lines.append(message)
     return KernelLog(KMSG, lines, complete=first_seq == 0)

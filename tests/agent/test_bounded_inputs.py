@@ -113,3 +113,12 @@ def test_malformed_proc_files_do_not_crash_the_checks(tmp_path: Path) -> None:
     host = Host(tmp_path)
     assert system.swap(host)["devices"] == [{"name": "/dev/sda2", "type": "partition", "size_kib": 1024}]
     assert system.network(host)["default_route"] == {"interface": "eth1", "gateway": "10.0.0.1"}
+
+
+def test_a_proc_entry_with_non_ascii_digits_is_not_a_pid(tmp_path: Path) -> None:
+    from agent.gpu import driver
+
+    for name in ("²", "42"):
+        (tmp_path / "proc" / name).mkdir(parents=True)
+        (tmp_path / "proc" / name / "comm").write_text("nvidia-persistenced\n")
+    assert driver.processes(Host(tmp_path), ("nvidia-persistenced",)) == {"nvidia-persistenced": [42]}
