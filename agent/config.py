@@ -483,8 +483,14 @@ def add_arguments(parser: Any, command: str) -> None:
 
 def config_for(args: Any, command: str) -> tuple[AgentConfig, dict[str, str]]:
     """The configuration ``command`` runs with: every layer, then the flags it was given."""
+    cmdline = Path(args.cmdline) if args.cmdline else None
+    if cmdline is not None and cmdline != CMDLINE and not cmdline.is_file():
+        raise ConfigError(
+            f"--cmdline {cmdline}: no such file", hint="give a file, or '' to read no command line"
+        )
+    # A missing configuration folder is no file layer (an unconfigured node; the environment may do).
     return load_config(
         config_dir=Path(args.config_dir),
-        cmdline_path=Path(args.cmdline) if args.cmdline else None,
+        cmdline_path=cmdline,
         overrides=TABLE.given(args, COMMAND_SETTINGS[command]),
     )

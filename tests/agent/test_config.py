@@ -308,3 +308,12 @@ def test_a_bad_flag_value_names_the_flag(tmp_path: Path) -> None:
     args = _args("run", "--config-dir", str(conf), "--cmdline", str(cmd), "--retry-max-s", "soon")
     with pytest.raises(ConfigError, match="command line --retry-max-s: retry_max_s: expected a duration"):
         config_for(args, "run")
+
+
+def test_an_explicit_command_line_file_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--cmdline .*: no such file"):
+        config_for(_args("check", "--cmdline", str(tmp_path / "nope")), "check")
+    _, origin = config_for(
+        _args("check", "--config-dir", str(tmp_path / "absent"), "--cmdline", ""), "check"
+    )
+    assert "pool" not in origin  # an absent folder is no file layer, as on an unconfigured node
