@@ -11,7 +11,6 @@ bytes or ``64KiB``, ``256MiB``. The reference is docs/settings.md, generated fro
 from __future__ import annotations
 
 import datetime as dt
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -40,8 +39,7 @@ from protocol.spiffe import validate_trust_domain
 from server.ek.config import TABLE as EK_TABLE
 from server.ek.config import EkTrustConfig
 from server.errors import ConfigError
-
-log = logging.getLogger(__name__)
+from server.pools import SECTION_KINDS
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024  # larger configuration files are refused before parsing
 DOCS = "docs/settings.md"
@@ -134,8 +132,6 @@ def _row(name: str, kind: Kind, help_text: str, **extra: Any) -> Setting:
 
 
 def _build_table() -> Table:
-    from server.pools import SECTION_KINDS
-
     return Table(
         "nodeserver",
         (
