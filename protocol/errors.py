@@ -34,3 +34,26 @@ class ReportError(ProtocolError):
 
 class PolicyError(ProtocolError):
     """A pool policy (profile mapping or preset name) is invalid: unknown keys, wrong types, bad values."""
+
+
+class SignatureError(ProtocolError):
+    """A DSSE envelope is malformed, or none of its signatures verifies with a trusted key.
+
+    ``reason`` is a stable token (``malformed``, ``untrusted-key``, ``bad-signature``) that callers
+    decide on; the message is for people.
+    """
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class ReleaseFormatError(ProtocolError):
+    """A signed build or release statement, a build manifest or a release manifest breaks its contract.
+
+    ``file`` names the file at fault (``signature.dsse.json``, ``manifest.json``, ``release.json``).
+    """
+
+    def __init__(self, file: str, message: str) -> None:
+        super().__init__(f"{file}: {message}")
+        self.file = file
