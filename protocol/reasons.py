@@ -131,6 +131,25 @@ REASONS: dict[str, Reason] = {
         _r("token_backend", F.SERVER, "the bootstrap-token backend failed"),
         _r("token_conflict", F.SERVER, "the backend already holds a token with this id"),
         _r("unknown_token", F.REQUEST, "the token is not this agent's live token"),
+        # -- measured boot and identity (Join) -------------------------------------------------
+        _r("quote_missing", F.REQUEST, "the pool checks measured boot and the request carries no quote"),
+        _r("quote_no_ak", F.IDENTITY, "the server holds no AK for this agent: attest again"),
+        _r("quote_malformed", F.REQUEST, "the quote or its signature is not a TPM structure"),
+        _r("quote_signature", F.EVIDENCE, "the quote is not signed by the AK this agent attested with"),
+        _r(
+            "quote_nonce",
+            F.EVIDENCE,
+            "the quote is not over this request's nonce (stale, foreign or replayed)",
+        ),
+        _r("quote_selection", F.EVIDENCE, "the quote does not cover the PCRs the pool requires"),
+        _r("quote_bank", F.EVIDENCE, "the quote or the log lacks the PCR bank the pool requires"),
+        _r("eventlog_malformed", F.REQUEST, "the event log is not a TCG crypto-agile log"),
+        _r("eventlog_replay", F.EVIDENCE, "the event log does not replay to the quoted PCRs"),
+        _r("boot_not_accepted", F.POLICY, "the node booted something the pool's releases do not measure"),
+        _r("node_name_taken", F.POLICY, "the node name belongs to another machine's EK"),
+        _r("not_enrolled", F.POLICY, "the pool admits only enrolled machines and this EK is not"),
+        _r("enrolment_mismatch", F.POLICY, "the machine is enrolled with another node name or pool"),
+        _r("measurement_changed", F.POLICY, "a joined node's boot measurements changed"),
     )
 }
 

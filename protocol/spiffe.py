@@ -7,15 +7,15 @@ from dataclasses import dataclass
 
 from protocol.errors import SpiffeIdError
 
-_TD_RE = re.compile(r"^[a-z0-9._-]+$")
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9._-]+$")
-_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_TD_RE = re.compile(r"[a-z0-9._-]+")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9._-]+")
+_HASH_RE = re.compile(r"[0-9a-f]{64}")
 MAX_ID_LENGTH = 2048
 
 
 def validate_trust_domain(name: str) -> str:
     """Return ``name`` if it is a valid trust domain name, else raise."""
-    if not name or len(name) > 255 or not _TD_RE.match(name):
+    if not name or len(name) > 255 or not _TD_RE.fullmatch(name):
         raise SpiffeIdError(
             f"invalid trust domain {name!r}: use lowercase letters, digits, '.', '-' and '_' (e.g. example.org)"
         )
@@ -33,7 +33,7 @@ class SpiffeId:
             if not self.path.startswith("/") or self.path.endswith("/"):
                 raise SpiffeIdError(f"invalid SPIFFE ID path {self.path!r}")
             for segment in self.path[1:].split("/"):
-                if segment in ("", ".", "..") or not _SEGMENT_RE.match(segment):
+                if segment in ("", ".", "..") or not _SEGMENT_RE.fullmatch(segment):
                     raise SpiffeIdError(f"invalid SPIFFE ID path segment {segment!r} in {self.path!r}")
 
     @classmethod
@@ -59,7 +59,7 @@ def server_id(trust_domain: str) -> SpiffeId:
 
 def tpm_agent_id(trust_domain: str, ek_pub_hash: str) -> SpiffeId:
     """``spiffe://<td>/spire/agent/tpm/<hex SHA-256 of the EK SubjectPublicKeyInfo DER>``."""
-    if not _HASH_RE.match(ek_pub_hash):
+    if not _HASH_RE.fullmatch(ek_pub_hash):
         raise SpiffeIdError(f"EK hash must be 64 lowercase hex characters, got {ek_pub_hash!r}")
     return SpiffeId(trust_domain, f"/spire/agent/tpm/{ek_pub_hash}")
 
@@ -70,5 +70,5 @@ def is_tpm_agent_id(spiffe_id: SpiffeId, trust_domain: str) -> bool:
         spiffe_id.trust_domain == trust_domain
         and len(parts) == 5
         and parts[1:4] == ["spire", "agent", "tpm"]
-        and bool(_HASH_RE.match(parts[4]))
+        and bool(_HASH_RE.fullmatch(parts[4]))
     )

@@ -119,14 +119,18 @@ def from_status(status: status_pb2.Status) -> ErrorDetail:
         info = error_details_pb2.ErrorInfo()
         spire = spire_status_pb2.PermissionDeniedDetails()
         retry_info = error_details_pb2.RetryInfo()
-        if item.Is(info.DESCRIPTOR) and item.Unpack(info) and info.domain == DOMAIN:
-            wire_reason = info.reason
-            metadata = dict(info.metadata)
-            family = metadata.get("family", "")
-        elif item.Is(spire.DESCRIPTOR) and item.Unpack(spire):
-            spire_reason = spire_status_pb2.PermissionDeniedDetails.Reason.Name(spire.reason)
-        elif item.Is(retry_info.DESCRIPTOR) and item.Unpack(retry_info):
-            retry = retry_info.retry_delay.seconds + retry_info.retry_delay.nanos / 1e9
+        try:
+            if item.Is(info.DESCRIPTOR) and item.Unpack(info) and info.domain == DOMAIN:
+                wire_reason = info.reason
+                metadata = dict(info.metadata)
+                family = metadata.get("family", "")
+            elif item.Is(spire.DESCRIPTOR) and item.Unpack(spire):
+                name = spire_status_pb2.PermissionDeniedDetails.Reason.Name
+                spire_reason = name(spire.reason) if spire.reason in spire.Reason.values() else "UNKNOWN"
+            elif item.Is(retry_info.DESCRIPTOR) and item.Unpack(retry_info):
+                retry = retry_info.retry_delay.seconds + retry_info.retry_delay.nanos / 1e9
+        except DecodeError:
+            continue  # one corrupt detail is no detail; the others still count
     return ErrorDetail(
         reason=from_wire(wire_reason),
         wire_reason=wire_reason,

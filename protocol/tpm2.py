@@ -424,10 +424,12 @@ class Attest:
     object_name: bytes = b""
     creation_hash: bytes = b""
     qualified_name: bytes = b""
+    pcr_select: tuple[PcrSelection, ...] = ()  # QUOTE
+    pcr_digest: bytes = b""  # QUOTE
 
 
 def parse_attest(data: bytes) -> Attest:
-    """Decode a TPMS_ATTEST of type CREATION or CERTIFY (no TPM2B size prefix)."""
+    """Decode a TPMS_ATTEST of type CREATION, CERTIFY or QUOTE (no TPM2B size prefix)."""
     what = "TPMS_ATTEST"
     r = Reader(data, what)
     magic = r.u32("magic")
@@ -439,8 +441,12 @@ def parse_attest(data: bytes) -> Attest:
     restart_count = r.u32("clockInfo.restartCount")
     safe = r.u8("clockInfo.safe")
     firmware = r.u64("firmwareVersion")
-    object_name = creation_hash = qualified_name = b""
-    if att_type == TPM_ST_ATTEST_CREATION:
+    object_name = creation_hash = qualified_name = pcr_digest = b""
+    pcr_select: tuple[PcrSelection, ...] = ()
+    if att_type == TPM_ST_ATTEST_QUOTE:
+        pcr_select = _read_pcr_selection(r)
+        pcr_digest = r.tpm2b("attested.quote.pcrDigest", 64)
+    elif att_type == TPM_ST_ATTEST_CREATION:
         object_name = r.tpm2b("attested.creation.objectName", 68)
         creation_hash = r.tpm2b("attested.creation.creationHash", 64)
     elif att_type == TPM_ST_ATTEST_CERTIFY:
@@ -463,6 +469,8 @@ def parse_attest(data: bytes) -> Attest:
         object_name=object_name,
         creation_hash=creation_hash,
         qualified_name=qualified_name,
+        pcr_select=pcr_select,
+        pcr_digest=pcr_digest,
     )
 
 

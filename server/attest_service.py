@@ -196,6 +196,7 @@ class AgentService:
             svid_expires_at=svid.expires_at,
             selectors=result.selectors,
             can_reattest=result.can_reattest,
+            ak_public=result.ak_public.hex(),
         )
         # A banned agent proves its identity like any other, then is refused before anything leaves
         # the server: nothing is written and its SVID is dropped unsent.

@@ -26,7 +26,9 @@ The token never reaches a log or the audit trail: only its public id does.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import re
 import threading
 import time
@@ -34,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 from cryptography import x509
@@ -42,8 +45,10 @@ from protocol._gen.nodetrust.join.v1 import join_pb2
 from protocol.errors import ProtocolError, SpiffeIdError
 from protocol.k8s import node_name_problem
 from protocol.policy import evaluate
+from protocol.quote import NONCE_BYTES
 from protocol.report import parse_report
 from protocol.spiffe import SpiffeId, is_tpm_agent_id
+from server import measured_boot
 from server.boundary import Call, Context, Method
 from server.errors import (
     BannedError,
@@ -57,8 +62,9 @@ from server.errors import (
     TokenConflictError,
     UnauthenticatedError,
 )
+from server.measured_boot import QuoteRefusedError
 from server.pools import JoinSettings, Pool
-from server.store import JoinRecord, Store, TokenRecord
+from server.store import AgentRecord, JoinRecord, Store, TokenRecord
 from server.tokens.backend import TokenBackend
 from server.tokens.token import TOKEN_ID_RE, BootstrapToken, new_token
 
@@ -137,6 +143,7 @@ class JoinService:
 
     def methods(self) -> dict[str, Method]:
         return {
+            "BeginJoin": Method("begin_join", self.begin_join),
             "RequestJoin": Method("join", self.request_join),
             "ReportJoined": Method("joined", self.report_joined),
         }
@@ -145,6 +152,9 @@ class JoinService:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     async def _caller(self, context: Context, call: Call) -> str:
+        return (await self._caller_record(context, call)).spiffe_id
+
+    async def _caller_record(self, context: Context, call: Call) -> AgentRecord:
         agent_id = str(peer_spiffe_id(context, self.trust_domain))
         call.set(spiffe_id=agent_id)
         try:
@@ -157,21 +167,105 @@ class JoinService:
             raise NotAttestedError(f"{agent_id} has not attested to this server")
         if record.banned:
             raise BannedError(f"{agent_id} is banned")
-        return agent_id
+        call.set(ek_hash=record.ek_hash)
+        return record
+
+    def _pool(self, name: str) -> Pool:
+        pool = self.settings.pools.get(name)
+        if pool is None:
+            known = ", ".join(sorted(self.settings.pools))
+            raise NotFoundError(
+                f"unknown pool {name[:MAX_POOL_CHARS]!r}; this server has: {known}", reason="unknown_pool"
+            )
+        return pool
+
+    # -- BeginJoin ----------------------------------------------------------------
+    async def begin_join(
+        self, request: join_pb2.BeginJoinRequest, context: Context, call: Call
+    ) -> join_pb2.BeginJoinResponse:
+        call.set(pool=request.pool)
+        record = await self._caller_record(context, call)
+        pool = self._pool(request.pool)
+        policy = pool.measured_boot
+        if policy is None:
+            call.commit("no_quote_needed", "the pool does not check measured boot")
+            return join_pb2.BeginJoinResponse()
+        nonce = os.urandom(NONCE_BYTES)
+        expires = int(self.clock() + policy.nonce_ttl_s)
+        await self._in_thread(
+            self.store.issue_nonce, record.spiffe_id, hashlib.sha256(nonce).hexdigest(), pool.name, expires
+        )
+        call.set(pcrs=list(policy.quoted_pcrs), pcr_bank=policy.bank)
+        call.commit("nonce_issued", "quote nonce issued")
+        return join_pb2.BeginJoinResponse(
+            nonce=nonce, pcr_bank=policy.bank, pcrs=list(policy.quoted_pcrs), expires_at=expires
+        )
+
+    def _identity_checks(self, record: AgentRecord, pool: Pool, node_name: str) -> None:
+        """In a worker thread: the enrolment registry and the node-name binding (before any token)."""
+        enrolment = self.store.enrolment(record.ek_hash)
+        if enrolment is None and pool.require_enrolment:
+            raise ServerError(
+                f"pool {pool.name} admits only enrolled machines and this EK ({record.ek_hash[:16]}...) is not: "
+                "enrol it with `nodeserver enrol add`",
+                reason="not_enrolled",
+            )
+        if enrolment is not None and (enrolment.node_name != node_name or enrolment.pool != pool.name):
+            raise ServerError(
+                f"this machine is enrolled as {enrolment.node_name!r} in pool {enrolment.pool!r}, "
+                f"not as {node_name!r} in {pool.name!r}",
+                reason="enrolment_mismatch",
+            )
+        bound = self.store.node_name_binding(node_name)
+        if bound is not None and bound.agent_id != record.spiffe_id:
+            raise ServerError(
+                f"node name {node_name!r} belongs to another machine (EK {bound.ek_hash[:16]}..., since "
+                f"{time.strftime('%Y-%m-%d', time.gmtime(bound.bound_at))}); an operator can release it with "
+                "`nodeserver names release`",
+                reason="node_name_taken",
+            )
+
+    async def _measured_boot(
+        self, request: join_pb2.JoinRequest, record: AgentRecord, pool: Pool, call: Call
+    ) -> None:
+        policy = pool.measured_boot
+        if policy is None:
+            return
+        now = int(self.clock())
+        nonce_pool = await self._in_thread(
+            self.store.consume_nonce, record.spiffe_id, hashlib.sha256(request.nonce).hexdigest(), now
+        )
+        if nonce_pool is None or nonce_pool != pool.name:
+            raise QuoteRefusedError(
+                "the request's nonce is not one BeginJoin issued to this agent for this pool, or it expired or was "
+                "used: call BeginJoin again",
+                reason="quote_nonce",
+            )
+        admission = await self._in_thread(
+            partial(
+                measured_boot.verify,
+                policy,
+                ak_public_hex=record.ak_public,
+                nonce=request.nonce,
+                quote=request.quote,
+                signature=request.quote_signature,
+                event_log=request.event_log,
+            )
+        )
+        call.set(
+            release=admission.release,
+            checked_pcrs=list(admission.checked_pcrs),
+            unchecked_pcrs=list(admission.unchecked_pcrs),
+        )
 
     # -- RequestJoin --------------------------------------------------------------
     async def request_join(
         self, request: join_pb2.JoinRequest, context: Context, call: Call
     ) -> join_pb2.JoinResponse:
         call.set(pool=request.pool, node_name=request.node_name)
-        agent_id = await self._caller(context, call)
-        pool = self.settings.pools.get(request.pool)
-        if pool is None:
-            known = ", ".join(sorted(self.settings.pools))
-            raise NotFoundError(
-                f"unknown pool {request.pool[:MAX_POOL_CHARS]!r}; this server has: {known}",
-                reason="unknown_pool",
-            )
+        record = await self._caller_record(context, call)
+        agent_id = record.spiffe_id
+        pool = self._pool(request.pool)
         problem = node_name_problem(request.node_name)
         if problem is not None:
             raise InvalidRequestError(
@@ -189,6 +283,10 @@ class JoinService:
             raise InvalidRequestError(
                 "request_id must be 32 lowercase hex characters", reason="bad_request_id"
             )
+        await self._in_thread(self._identity_checks, record, pool, request.node_name)
+        # What the node booted, before its word about its GPUs: an admitted node's report is the word
+        # of a verified image's agent.
+        await self._measured_boot(request, record, pool, call)
         try:
             report = parse_report(request.report)
         except ProtocolError as exc:
@@ -204,9 +302,7 @@ class JoinService:
         )
         if not fresh:
             raise ReplayError(f"request {request.request_id} was already used: a replayed request")
-        token, _reused = await self._in_thread(
-            self._grant, agent_id, pool, request.node_name, int(now), call
-        )
+        token, _reused = await self._in_thread(self._grant, record, pool, request.node_name, int(now), call)
         labels = dict(pool.policy.labels)
         labels["nodetrust.io/pool"] = pool.name
         return join_pb2.JoinResponse(
@@ -221,9 +317,10 @@ class JoinService:
         )
 
     def _grant(
-        self, agent_id: str, pool: Pool, node_name: str, now: int, call: Call
+        self, record: AgentRecord, pool: Pool, node_name: str, now: int, call: Call
     ) -> tuple[BootstrapToken, bool]:
         """In a worker thread, under the node lock: reuse the live token, or mint one within the limits."""
+        agent_id = record.spiffe_id
         with self.store.node_lock(agent_id):
             reused = self._reusable(agent_id, pool.name, node_name, now)
             if reused is not None:
@@ -245,6 +342,13 @@ class JoinService:
                     retry_after_s=min(window, 60.0),
                 )
             with call.committing():
+                # The first grant binds the name to this machine's EK (the store's primary key makes it
+                # one machine's even when two replicas race).
+                bound = self.store.bind_node_name(node_name, agent_id, record.ek_hash, now)
+                if bound.agent_id != agent_id:
+                    raise ServerError(
+                        f"node name {node_name!r} belongs to another machine", reason="node_name_taken"
+                    )
                 token = self._mint(agent_id, pool, node_name, now)
                 call.set(token_id=token.token_id, token_expires_at=token.expires_at)
                 try:

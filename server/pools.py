@@ -41,16 +41,19 @@ from protocol.settings import (
     Setting,
     SettingError,
     Table,
+    boolean,
     duration,
     integer,
     list_of,
     mapping_of,
+    optional,
     path,
     raw,
     section,
     text,
 )
 from server.errors import ConfigError
+from server.measured_boot import MeasuredBoot, measured_boot_kind
 
 _HASH = r"sha256:[0-9a-f]{64}"
 _VERSION = r"v[0-9]+\.[0-9]+\.[0-9]+"
@@ -68,6 +71,8 @@ class Pool:
     kubernetes_version: str
     api_server_endpoint: str
     extra_groups: tuple[str, ...]
+    measured_boot: MeasuredBoot | None = None  # None: the pool does not check what the node booted
+    require_enrolment: bool = False
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,18 @@ POOL = Table(
             ),
             "the token's extra groups",
             (DEFAULT_GROUP,),
+        ),
+        Setting(
+            "measured_boot",
+            optional(measured_boot_kind()),
+            "admit only nodes whose TPM quote and event log match one of these releases (attestation.md)",
+            None,
+        ),
+        Setting(
+            "require_enrolment",
+            boolean(),
+            "admit only machines enrolled with `nodeserver enrol` (by EK hash), as their enrolled name",
+            False,
         ),
     ),
     flags=False,
@@ -304,6 +321,8 @@ def join_settings(extra: Mapping[str, Any], *, base_dir: Path | None = None) -> 
             kubernetes_version=spec["kubernetes_version"] or cluster["kubernetes_version"],
             api_server_endpoint=spec["api_server_endpoint"] or cluster["api_server_endpoint"],
             extra_groups=spec["extra_groups"],
+            measured_boot=spec["measured_boot"],
+            require_enrolment=spec["require_enrolment"],
         )
         for name, spec in pools_doc.items()
     }

@@ -14,14 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Protocol
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from protocol import reasons, tpm2
 from protocol.credential import make_credential
 from protocol.errors import ProtocolError
+from protocol.quote import SignatureError, verify_tpm_signature
 from protocol.spiffe import SpiffeId, tpm_agent_id
 from protocol.tpm_payload import (
     ATTESTOR_TYPE,
@@ -77,6 +75,7 @@ class PendingAttestation:
     ek_method: str
     challenge: bytes
     _secret: bytes
+    ak_public: bytes = b""
 
     def __repr__(self) -> str:  # never print the secret
         return f"PendingAttestation(agent_id={self.agent_id}, ek_method={self.ek_method})"
@@ -88,6 +87,7 @@ class AttestResult:
     ek_hash: str
     selectors: tuple[str, ...]
     can_reattest: bool = True
+    ak_public: bytes = b""  # TPMT_PUBLIC of the AK proven to live with the EK (for later quotes)
 
 
 class AkError(AttestationDeniedError):
@@ -147,24 +147,10 @@ def _verify_signature(pub: tpm2.Public, sig: tpm2.Signature, message: bytes) -> 
         raise AkError(
             f"AK signing scheme {pub.scheme.scheme.name} is not RSASSA or ECDSA", reason="ak_attributes"
         )
-    if sig.sig_alg != pub.scheme.scheme or sig.hash_alg != pub.scheme.hash_alg:
-        raise AkError("AK CreateSignature does not use the AK's own scheme", reason="ak_bad_signature")
-    hash_cls = _HASHES.get(sig.hash_alg)
-    if hash_cls is None:
-        raise AkError(f"unsupported signature hash 0x{sig.hash_alg:04x}", reason="ak_bad_signature")
     try:
-        key = tpm2.public_key(pub)
-        if isinstance(key, rsa.RSAPublicKey):
-            key.verify(sig.rsa_signature, message, padding.PKCS1v15(), hash_cls())
-        elif isinstance(key, ec.EllipticCurvePublicKey):
-            der = encode_dss_signature(int.from_bytes(sig.ecc_r, "big"), int.from_bytes(sig.ecc_s, "big"))
-            key.verify(der, message, ec.ECDSA(hash_cls()))
-        else:  # pragma: no cover - public_key returns only these
-            raise AkError("unsupported AK key", reason="ak_bad_signature")
-    except (InvalidSignature, ValueError, ProtocolError) as exc:
-        raise AkError(
-            "AK CreateSignature does not verify over CreateAttestation", reason="ak_bad_signature"
-        ) from exc
+        verify_tpm_signature(pub, sig, message)
+    except SignatureError as exc:
+        raise AkError(f"AK CreateSignature: {exc}", reason="ak_bad_signature") from exc
 
 
 class TpmNodeAttestor:
@@ -211,6 +197,7 @@ class TpmNodeAttestor:
             ek_method=verdict.method,
             challenge=encode_challenge(credential),
             _secret=secret,
+            ak_public=ak.public,
         )
 
     def finish(self, pending: PendingAttestation, response: bytes) -> AttestResult:
@@ -224,4 +211,5 @@ class TpmNodeAttestor:
             agent_id=pending.agent_id,
             ek_hash=pending.ek_hash,
             selectors=(f"{self.name}:pub_hash:{pending.ek_hash}",),
+            ak_public=pending.ak_public,
         )

@@ -17,11 +17,20 @@ import os
 from urllib.parse import unquote, urlsplit
 
 from server.errors import ConfigError
-from server.store.base import AgentRecord, JoinRecord, Store, TokenRecord
+from server.store.base import AgentRecord, Enrolment, JoinRecord, NameBinding, Store, TokenRecord
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AgentRecord", "JoinRecord", "Store", "TokenRecord", "open_store", "sqlite_path"]
+__all__ = [
+    "AgentRecord",
+    "Enrolment",
+    "JoinRecord",
+    "NameBinding",
+    "Store",
+    "TokenRecord",
+    "open_store",
+    "sqlite_path",
+]
 
 _HELP = "use sqlite:///absolute/path.db, a file path, or postgresql://user@host:port/dbname"
 

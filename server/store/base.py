@@ -33,6 +33,27 @@ class AgentRecord:
     selectors: tuple[str, ...] = ()  # "type:value"
     can_reattest: bool = True
     banned: bool = False
+    ak_public: str = ""  # hex TPMT_PUBLIC of the AK activated at the last attestation
+
+
+@dataclass(frozen=True)
+class Enrolment:
+    """A machine the operator expects: its EK hash, the name and pool it must join as."""
+
+    ek_hash: str
+    node_name: str
+    pool: str
+    serial: str = ""
+    disk_hints: dict[str, str] = field(default_factory=dict)
+    enrolled_at: int = 0
+
+
+@dataclass(frozen=True)
+class NameBinding:
+    node_name: str
+    agent_id: str
+    ek_hash: str
+    bound_at: int
 
 
 @dataclass(frozen=True)
@@ -134,3 +155,32 @@ class Store(Protocol):
     def prune_joins(self, before: int) -> int:
         """Forget join records older than ``before``; return how many."""
         ...
+
+    # -- measured boot and identity -------------------------------------------------
+    def issue_nonce(self, agent_id: str, nonce_sha256: str, pool: str, expires_at: int) -> None:
+        """Remember a quote nonce the server chose for ``agent_id`` (pruning expired ones)."""
+        ...
+
+    def consume_nonce(self, agent_id: str, nonce_sha256: str, now: int) -> str | None:
+        """Forget the nonce and return its pool, or None if it is unknown, another agent's or expired."""
+        ...
+
+    def bind_node_name(self, node_name: str, agent_id: str, ek_hash: str, now: int) -> NameBinding:
+        """Bind ``node_name`` to the agent unless it is bound already; return the binding in force."""
+        ...
+
+    def release_node_name(self, node_name: str) -> bool: ...
+
+    def node_name_binding(self, node_name: str) -> NameBinding | None: ...
+
+    def node_names(self) -> list[NameBinding]: ...
+
+    def enrol(self, enrolment: Enrolment) -> None:
+        """Add or replace the enrolment of ``enrolment.ek_hash`` (a node name is enrolled once)."""
+        ...
+
+    def unenrol(self, ek_hash: str) -> bool: ...
+
+    def enrolment(self, ek_hash: str) -> Enrolment | None: ...
+
+    def enrolments(self) -> list[Enrolment]: ...

@@ -88,6 +88,7 @@ def agent_params(record: AgentRecord) -> tuple[Any, ...]:
         json.dumps(list(record.selectors)),
         bool(record.can_reattest),
         bool(record.banned),
+        record.ak_public,
     )
 
 
@@ -106,6 +107,7 @@ def agent_from_row(row: Sequence[Any]) -> AgentRecord:
         selectors=tuple(selectors),
         can_reattest=bool(row[8]),
         banned=bool(row[9]),
+        ak_public=row[10],
     )
 
 

@@ -8,6 +8,7 @@ placeholders and always take their values as parameters.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 
 from server.errors import NotFoundError, StoreError
 from server.store import schema
-from server.store.base import AgentRecord, JoinRecord, TokenRecord
+from server.store.base import AgentRecord, Enrolment, JoinRecord, NameBinding, TokenRecord
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class Tx(ABC):
 
 _AGENT_SELECT = (
     "SELECT spiffe_id, attestation_type, ek_hash, first_attested_at, last_attested_at,"
-    " svid_serial, svid_expires_at, selectors, can_reattest, banned FROM agents"
+    " svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public FROM agents"
 )
 _BOOTSTRAP_SELECT = (
     "SELECT agent_id, token_id, secret_sha256, pool, node_name, issued_at, expires_at, backend_ref"
@@ -62,8 +63,8 @@ _JOIN_SELECT = "SELECT agent_id, node_name, pool, token_id, verdict, at, details
 
 _UPSERT_AGENT = """
 INSERT INTO agents (spiffe_id, attestation_type, ek_hash, first_attested_at, last_attested_at,
-                    svid_serial, svid_expires_at, selectors, can_reattest, banned, placeholder)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, FALSE)
+                    svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public, placeholder)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, FALSE)
 ON CONFLICT (spiffe_id) DO UPDATE SET
     attestation_type = excluded.attestation_type,
     ek_hash = excluded.ek_hash,
@@ -75,9 +76,10 @@ ON CONFLICT (spiffe_id) DO UPDATE SET
     selectors = excluded.selectors,
     can_reattest = excluded.can_reattest,
     banned = (agents.banned OR excluded.banned),
+    ak_public = excluded.ak_public,
     placeholder = FALSE
 RETURNING spiffe_id, attestation_type, ek_hash, first_attested_at, last_attested_at,
-          svid_serial, svid_expires_at, selectors, can_reattest, banned
+          svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public
 """
 
 # A banned agent that never attested: every required field set, marked as a placeholder.
@@ -103,6 +105,7 @@ INSERT INTO tokens (agent_id, token_id, secret_sha256, pool, node_name, issued_a
                     backend_ref, revoked)
 VALUES (%s, %s, %s, %s, %s, %s, %s, %s, FALSE)
 """
+_REVOKE_ALL = "UPDATE tokens SET revoked = TRUE WHERE agent_id = %s AND NOT revoked"
 _REVOKE_ONE = (
     "UPDATE tokens SET revoked = TRUE"
     " WHERE agent_id = %s AND token_id = %s AND NOT revoked RETURNING token_id"
@@ -127,6 +130,25 @@ VALUES (%s, %s, %s, %s, %s, %s, %s)
 _JOINS_FOR = _JOIN_SELECT + " WHERE agent_id = %s ORDER BY at, id"
 _COUNT_JOINS_SINCE = "SELECT COUNT(*) FROM joins WHERE agent_id = %s AND at >= %s"
 _PRUNE_JOINS = "DELETE FROM joins WHERE at < %s"
+
+_ISSUE_NONCE = "INSERT INTO join_nonces (agent_id, nonce_sha256, pool, expires_at) VALUES (%s, %s, %s, %s)"
+_PRUNE_NONCES = "DELETE FROM join_nonces WHERE expires_at < %s"
+_CONSUME_NONCE = (
+    "DELETE FROM join_nonces WHERE agent_id = %s AND nonce_sha256 = %s AND expires_at >= %s RETURNING pool"
+)
+_BIND_NAME = """
+INSERT INTO node_names (node_name, agent_id, ek_hash, bound_at) VALUES (%s, %s, %s, %s)
+ON CONFLICT (node_name) DO NOTHING
+"""
+_NAME_SELECT = "SELECT node_name, agent_id, ek_hash, bound_at FROM node_names"
+_RELEASE_NAME = "DELETE FROM node_names WHERE node_name = %s RETURNING node_name"
+_ENROL = """
+INSERT INTO enrolments (ek_hash, node_name, pool, serial, disk_hints, enrolled_at) VALUES (%s, %s, %s, %s, %s, %s)
+ON CONFLICT (ek_hash) DO UPDATE SET node_name = excluded.node_name, pool = excluded.pool,
+    serial = excluded.serial, disk_hints = excluded.disk_hints, enrolled_at = excluded.enrolled_at
+"""
+_ENROLMENT_SELECT = "SELECT ek_hash, node_name, pool, serial, disk_hints, enrolled_at FROM enrolments"
+_UNENROL = "DELETE FROM enrolments WHERE ek_hash = %s RETURNING ek_hash"
 
 _MIGRATION_SELECT = "SELECT COALESCE(MAX(version), 0) FROM schema_version"
 _MIGRATION_RECORD = "INSERT INTO schema_version (version, name, applied_at) VALUES (%s, %s, %s)"
@@ -219,9 +241,16 @@ class SqlStore(ABC):
         return int(row[0]) if row else 0
 
     def ban_agent(self, spiffe_id: str) -> bool:
+        """Ban, and revoke the agent's live token in the same step (the sweeper deletes it from the backend)."""
         if not spiffe_id:
             raise ValueError("ban_agent needs a spiffe_id")
-        return self._write(lambda tx: tx.one(_BAN_AGENT, (spiffe_id,)) is not None, single=True)
+
+        def work(tx: Tx) -> bool:
+            changed = tx.one(_BAN_AGENT, (spiffe_id,)) is not None
+            tx.execute(_REVOKE_ALL, (spiffe_id,))
+            return changed
+
+        return self._write(work)
 
     def unban_agent(self, spiffe_id: str) -> bool:
         def work(tx: Tx) -> bool:
@@ -308,3 +337,68 @@ class SqlStore(ABC):
             return int(row[0]) if row else 0
 
         return self._write(work)
+
+    # -- measured boot and identity -------------------------------------------------
+    def issue_nonce(self, agent_id: str, nonce_sha256: str, pool: str, expires_at: int) -> None:
+        now = int(self._clock())
+
+        def work(tx: Tx) -> None:
+            tx.execute(_PRUNE_NONCES, (now,))
+            tx.execute(_ISSUE_NONCE, (agent_id, nonce_sha256, pool, expires_at))
+
+        self._write(work)
+
+    def consume_nonce(self, agent_id: str, nonce_sha256: str, now: int) -> str | None:
+        row = self._write(lambda tx: tx.one(_CONSUME_NONCE, (agent_id, nonce_sha256, now)), single=True)
+        return str(row[0]) if row else None
+
+    def bind_node_name(self, node_name: str, agent_id: str, ek_hash: str, now: int) -> NameBinding:
+        def work(tx: Tx) -> NameBinding:
+            tx.execute(_BIND_NAME, (node_name, agent_id, ek_hash, now))
+            row = tx.one(_NAME_SELECT + " WHERE node_name = %s", (node_name,))
+            if row is None:  # pragma: no cover - the insert or an existing row is there
+                raise StoreError(f"binding node name {node_name} returned no row")
+            return NameBinding(row[0], row[1], row[2], int(row[3]))
+
+        return self._write(work)
+
+    def node_name_binding(self, node_name: str) -> NameBinding | None:
+        row = self._read(lambda tx: tx.one(_NAME_SELECT + " WHERE node_name = %s", (node_name,)))
+        return NameBinding(row[0], row[1], row[2], int(row[3])) if row else None
+
+    def release_node_name(self, node_name: str) -> bool:
+        return self._write(lambda tx: tx.one(_RELEASE_NAME, (node_name,)) is not None, single=True)
+
+    def node_names(self) -> list[NameBinding]:
+        rows = self._read(lambda tx: tx.all(_NAME_SELECT + " ORDER BY node_name"))
+        return [NameBinding(r[0], r[1], r[2], int(r[3])) for r in rows]
+
+    def enrol(self, enrolment: Enrolment) -> None:
+        params = (
+            enrolment.ek_hash,
+            enrolment.node_name,
+            enrolment.pool,
+            enrolment.serial,
+            json.dumps(dict(enrolment.disk_hints), sort_keys=True),
+            enrolment.enrolled_at,
+        )
+        self._write(lambda tx: tx.execute(_ENROL, params), single=True)
+
+    def unenrol(self, ek_hash: str) -> bool:
+        return self._write(lambda tx: tx.one(_UNENROL, (ek_hash,)) is not None, single=True)
+
+    def enrolment(self, ek_hash: str) -> Enrolment | None:
+        row = self._read(lambda tx: tx.one(_ENROLMENT_SELECT + " WHERE ek_hash = %s", (ek_hash,)))
+        return _enrolment(row) if row else None
+
+    def enrolments(self) -> list[Enrolment]:
+        return [
+            _enrolment(r) for r in self._read(lambda tx: tx.all(_ENROLMENT_SELECT + " ORDER BY node_name"))
+        ]
+
+
+def _enrolment(row: Row) -> Enrolment:
+    hints = json.loads(row[4])
+    if not isinstance(hints, dict):
+        raise StoreError(f"enrolment {row[0]!r} has malformed disk hints in the store")
+    return Enrolment(row[0], row[1], row[2], row[3], {str(k): str(v) for k, v in hints.items()}, int(row[5]))

@@ -181,10 +181,10 @@ def _raw_join(env: JoinEnv, agent: SimAgent, request: join_pb2.JoinRequest) -> t
     return asyncio.run(call())
 
 
-def _request(**kw: Any) -> join_pb2.JoinRequest:
+def _request(agent: SimAgent, **kw: Any) -> join_pb2.JoinRequest:
     base: dict[str, Any] = {
         "pool": "cpu",
-        "node_name": "node-1",
+        "node_name": agent.node_name,
         "report": cpu_report(),
         "request_id": secrets.token_hex(16),
         "requested_at": int(time.time()),
@@ -207,7 +207,7 @@ def test_refusals(
     env: JoinEnv, agent: SimAgent, case: str, fields: dict[str, Any], status: str, reason: str
 ) -> None:
     before = _token_files(env)
-    got = _raw_join(env, agent, _request(**fields))
+    got = _raw_join(env, agent, _request(agent, **fields))
     assert got[0] == status, got
     last = [line for line in env.srv.audit_lines() if line["event"] == "join"][-1]
     assert last["reason"] == reason and last["status"] == status
@@ -215,7 +215,7 @@ def test_refusals(
 
 
 def test_replayed_request(env: JoinEnv, agent: SimAgent) -> None:
-    request = _request()
+    request = _request(agent)
     assert _raw_join(env, agent, request)[0] == "OK"
     files = _token_files(env)
     status, message = _raw_join(env, agent, request)
@@ -227,7 +227,7 @@ def test_banned_agent(env: JoinEnv, agent: SimAgent) -> None:
     store = env.srv.app.store
     assert store is not None
     store.ban_agent(agent.spiffe_id)
-    status, message = _raw_join(env, agent, _request())
+    status, message = _raw_join(env, agent, _request(agent))
     assert status == "PERMISSION_DENIED" and "banned" in message
 
 
@@ -287,7 +287,7 @@ def test_svid_from_another_ca_is_refused(env: JoinEnv, tmp_path: Path) -> None:
     assert _token_files(env) == before
 
 
-def test_no_client_certificate(env: JoinEnv) -> None:
+def test_no_client_certificate(env: JoinEnv, agent: SimAgent) -> None:
     from grpclib.client import Channel
     from grpclib.const import Cardinality
 
@@ -304,7 +304,7 @@ def test_no_client_certificate(env: JoinEnv) -> None:
                 join_pb2.JoinRequest,
                 join_pb2.JoinResponse,
             ) as stream:
-                await stream.send_message(_request(), end=True)
+                await stream.send_message(_request(agent), end=True)
                 await stream.recv_message()
         finally:
             ch.close()

@@ -91,8 +91,9 @@ def _request(node_name: str = "node-1", **fields: Any) -> join_pb2.JoinRequest:
     return join_pb2.JoinRequest(**doc)
 
 
-def _joined(env: JoinEnv, agent: SimAgent, token_id: str, node_name: str = "node-1") -> bool:
-    reply = _unary(env, agent, "ReportJoined", join_pb2.JoinedRequest(token_id=token_id, node_name=node_name),
+def _joined(env: JoinEnv, agent: SimAgent, token_id: str, node_name: str | None = None) -> bool:
+    name = node_name or agent.node_name
+    reply = _unary(env, agent, "ReportJoined", join_pb2.JoinedRequest(token_id=token_id, node_name=name),
                    join_pb2.JoinedResponse)  # fmt: skip
     return bool(reply.revoked)
 

@@ -158,3 +158,28 @@ def test_attestation_parameters_are_plain_bytes() -> None:
     )
     with pytest.raises(PayloadError):  # the EK key is not a SubjectPublicKeyInfo
         decode_attestation_data(encode_attestation_data(data))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "spiffe://example.org\n/spire/agent/tpm/" + "a" * 64,
+        "spiffe://example.org/spire/agent\n/tpm/" + "a" * 64,
+        "spiffe://example.org/spire/agent/tpm/" + "a" * 64 + "\n",
+    ],
+    ids=["trust domain", "path segment", "EK hash"],
+)
+def test_spiffe_ids_with_a_trailing_newline_are_refused(bad: str) -> None:
+    """`^...$` accepted a trailing newline in each part (issue 11's class of defect)."""
+    from protocol.errors import SpiffeIdError
+    from protocol.spiffe import SpiffeId, is_tpm_agent_id, tpm_agent_id, validate_trust_domain
+
+    with pytest.raises(SpiffeIdError):
+        validate_trust_domain("example.org\n")
+    with pytest.raises(SpiffeIdError):
+        tpm_agent_id("example.org", "a" * 64 + "\n")
+    try:
+        parsed = SpiffeId.parse(bad)
+    except SpiffeIdError:
+        return
+    assert not is_tpm_agent_id(parsed, "example.org")

@@ -105,6 +105,11 @@ class SimAgent:
     key: Path
     spiffe_id: str
 
+    @property
+    def node_name(self) -> str:
+        """This machine's own node name (a name belongs to the first EK granted a token for it)."""
+        return f"node-{self.sim.ek_hash[:12]}"
+
 
 def attest_sim(srv: ServerThread, sim: SimulatedTpm, out: Path) -> SimAgent:
     """Attest a simulated TPM and keep its SVID and key as files (like the agent's state dir)."""
@@ -159,7 +164,7 @@ def join(
     agent: SimAgent,
     *,
     pool: str = "cpu",
-    node_name: str = "node-1",
+    node_name: str | None = None,
     report: bytes | None = None,
 ) -> JoinGrant:
     return join_at(env.join_address, env.srv.bundle, agent, pool=pool, node_name=node_name, report=report)
@@ -171,9 +176,10 @@ def join_at(
     agent: SimAgent,
     *,
     pool: str = "cpu",
-    node_name: str = "node-1",
+    node_name: str | None = None,
     report: bytes | None = None,
 ) -> JoinGrant:
+    node_name = node_name or agent.node_name
     return asyncio.run(
         request_join_async(
             address,

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnodetrust/join/v1/join.proto\x12\x11nodetrust.join.v1\"h\n\x0bJoinRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x0e\n\x06report\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0crequested_at\x18\x05 \x01(\x03\"3\n\x05Taint\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06\x65\x66\x66\x65\x63t\x18\x03 \x01(\t\")\n\nKubeletArg\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xea\x02\n\x0cJoinResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x18\n\x10token_expires_at\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61_cert_hashes\x18\x03 \x03(\t\x12\x1b\n\x13\x61pi_server_endpoint\x18\x04 \x01(\t\x12\x1a\n\x12kubernetes_version\x18\x05 \x01(\t\x12;\n\x06labels\x18\x06 \x03(\x0b\x32+.nodetrust.join.v1.JoinResponse.LabelsEntry\x12(\n\x06taints\x18\x07 \x03(\x0b\x32\x18.nodetrust.join.v1.Taint\x12\x39\n\x12kubelet_extra_args\x18\x08 \x03(\x0b\x32\x1d.nodetrust.join.v1.KubeletArg\x12\x0f\n\x07verdict\x18\t \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\rJoinedRequest\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\"!\n\x0eJoinedResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\x08\x32\xab\x01\n\x04Join\x12N\n\x0bRequestJoin\x12\x1e.nodetrust.join.v1.JoinRequest\x1a\x1f.nodetrust.join.v1.JoinResponse\x12S\n\x0cReportJoined\x12 .nodetrust.join.v1.JoinedRequest\x1a!.nodetrust.join.v1.JoinedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cnodetrust/join/v1/join.proto\x12\x11nodetrust.join.v1\"\xb2\x01\n\x0bJoinRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\x12\x0e\n\x06report\x18\x03 \x01(\x0c\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x14\n\x0crequested_at\x18\x05 \x01(\x03\x12\r\n\x05nonce\x18\x06 \x01(\x0c\x12\r\n\x05quote\x18\x07 \x01(\x0c\x12\x17\n\x0fquote_signature\x18\x08 \x01(\x0c\x12\x11\n\tevent_log\x18\t \x01(\x0c\" \n\x10\x42\x65ginJoinRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\"V\n\x11\x42\x65ginJoinResponse\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x10\n\x08pcr_bank\x18\x02 \x01(\t\x12\x0c\n\x04pcrs\x18\x03 \x03(\r\x12\x12\n\nexpires_at\x18\x04 \x01(\x03\"3\n\x05Taint\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12\x0e\n\x06\x65\x66\x66\x65\x63t\x18\x03 \x01(\t\")\n\nKubeletArg\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"\xea\x02\n\x0cJoinResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12\x18\n\x10token_expires_at\x18\x02 \x01(\x03\x12\x16\n\x0e\x63\x61_cert_hashes\x18\x03 \x03(\t\x12\x1b\n\x13\x61pi_server_endpoint\x18\x04 \x01(\t\x12\x1a\n\x12kubernetes_version\x18\x05 \x01(\t\x12;\n\x06labels\x18\x06 \x03(\x0b\x32+.nodetrust.join.v1.JoinResponse.LabelsEntry\x12(\n\x06taints\x18\x07 \x03(\x0b\x32\x18.nodetrust.join.v1.Taint\x12\x39\n\x12kubelet_extra_args\x18\x08 \x03(\x0b\x32\x1d.nodetrust.join.v1.KubeletArg\x12\x0f\n\x07verdict\x18\t \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"4\n\rJoinedRequest\x12\x10\n\x08token_id\x18\x01 \x01(\t\x12\x11\n\tnode_name\x18\x02 \x01(\t\"!\n\x0eJoinedResponse\x12\x0f\n\x07revoked\x18\x01 \x01(\x08\x32\x83\x02\n\x04Join\x12V\n\tBeginJoin\x12#.nodetrust.join.v1.BeginJoinRequest\x1a$.nodetrust.join.v1.BeginJoinResponse\x12N\n\x0bRequestJoin\x12\x1e.nodetrust.join.v1.JoinRequest\x1a\x1f.nodetrust.join.v1.JoinResponse\x12S\n\x0cReportJoined\x12 .nodetrust.join.v1.JoinedRequest\x1a!.nodetrust.join.v1.JoinedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINRESPONSE_LABELSENTRY']._loaded_options = None
   _globals['_JOINRESPONSE_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_JOINREQUEST']._serialized_start=51
-  _globals['_JOINREQUEST']._serialized_end=155
-  _globals['_TAINT']._serialized_start=157
-  _globals['_TAINT']._serialized_end=208
-  _globals['_KUBELETARG']._serialized_start=210
-  _globals['_KUBELETARG']._serialized_end=251
-  _globals['_JOINRESPONSE']._serialized_start=254
-  _globals['_JOINRESPONSE']._serialized_end=616
-  _globals['_JOINRESPONSE_LABELSENTRY']._serialized_start=571
-  _globals['_JOINRESPONSE_LABELSENTRY']._serialized_end=616
-  _globals['_JOINEDREQUEST']._serialized_start=618
-  _globals['_JOINEDREQUEST']._serialized_end=670
-  _globals['_JOINEDRESPONSE']._serialized_start=672
-  _globals['_JOINEDRESPONSE']._serialized_end=705
-  _globals['_JOIN']._serialized_start=708
-  _globals['_JOIN']._serialized_end=879
+  _globals['_JOINREQUEST']._serialized_start=52
+  _globals['_JOINREQUEST']._serialized_end=230
+  _globals['_BEGINJOINREQUEST']._serialized_start=232
+  _globals['_BEGINJOINREQUEST']._serialized_end=264
+  _globals['_BEGINJOINRESPONSE']._serialized_start=266
+  _globals['_BEGINJOINRESPONSE']._serialized_end=352
+  _globals['_TAINT']._serialized_start=354
+  _globals['_TAINT']._serialized_end=405
+  _globals['_KUBELETARG']._serialized_start=407
+  _globals['_KUBELETARG']._serialized_end=448
+  _globals['_JOINRESPONSE']._serialized_start=451
+  _globals['_JOINRESPONSE']._serialized_end=813
+  _globals['_JOINRESPONSE_LABELSENTRY']._serialized_start=768
+  _globals['_JOINRESPONSE_LABELSENTRY']._serialized_end=813
+  _globals['_JOINEDREQUEST']._serialized_start=815
+  _globals['_JOINEDREQUEST']._serialized_end=867
+  _globals['_JOINEDRESPONSE']._serialized_start=869
+  _globals['_JOINEDRESPONSE']._serialized_end=902
+  _globals['_JOIN']._serialized_start=905
+  _globals['_JOIN']._serialized_end=1164
 # @@protoc_insertion_point(module_scope)

@@ -27,6 +27,10 @@ class JoinRequest(_message.Message):
     REPORT_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     REQUESTED_AT_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    QUOTE_FIELD_NUMBER: _builtins.int
+    QUOTE_SIGNATURE_FIELD_NUMBER: _builtins.int
+    EVENT_LOG_FIELD_NUMBER: _builtins.int
     pool: _builtins.str
     """The node pool the node asks to join, as configured on the server."""
     node_name: _builtins.str
@@ -43,6 +47,16 @@ class JoinRequest(_message.Message):
     """When the request was made, seconds since the Unix epoch; the server
     refuses requests outside its clock-skew window.
     """
+    nonce: _builtins.bytes
+    """Measured boot (pools that check it): the nonce BeginJoin returned, a
+    TPM2_Quote (the raw TPMS_ATTEST) over the PCRs it named, signed by the AK
+    the server credential-activated at attestation (the marshalled
+    TPMT_SIGNATURE), and the UEFI event log
+    (/sys/kernel/security/tpm0/binary_bios_measurements).
+    """
+    quote: _builtins.bytes
+    quote_signature: _builtins.bytes
+    event_log: _builtins.bytes
     def __init__(
         self,
         *,
@@ -51,14 +65,72 @@ class JoinRequest(_message.Message):
         report: _builtins.bytes = ...,
         request_id: _builtins.str = ...,
         requested_at: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+        quote: _builtins.bytes = ...,
+        quote_signature: _builtins.bytes = ...,
+        event_log: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_name", b"node_name", "pool", b"pool", "report", b"report", "request_id", b"request_id", "requested_at", b"requested_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_log", b"event_log", "node_name", b"node_name", "nonce", b"nonce", "pool", b"pool", "quote", b"quote", "quote_signature", b"quote_signature", "report", b"report", "request_id", b"request_id", "requested_at", b"requested_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinRequest: _TypeAlias = JoinRequest  # noqa: Y015
+
+@_typing.final
+class BeginJoinRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    """The pool the node will ask to join."""
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginJoinRequest: _TypeAlias = BeginJoinRequest  # noqa: Y015
+
+@_typing.final
+class BeginJoinResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    PCR_BANK_FIELD_NUMBER: _builtins.int
+    PCRS_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.bytes
+    """32 random bytes: TPM2_Quote's qualifyingData. Valid once, until expires_at."""
+    pcr_bank: _builtins.str
+    """The PCR bank to quote ("sha256") and the PCRs, ascending. Empty: the pool
+    does not check measured boot; send no quote.
+    """
+    expires_at: _builtins.int
+    """Seconds since the Unix epoch."""
+    @_builtins.property
+    def pcrs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.bytes = ...,
+        pcr_bank: _builtins.str = ...,
+        pcrs: _abc.Iterable[_builtins.int] | None = ...,
+        expires_at: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "nonce", b"nonce", "pcr_bank", b"pcr_bank", "pcrs", b"pcrs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BeginJoinResponse: _TypeAlias = BeginJoinResponse  # noqa: Y015
 
 @_typing.final
 class Taint(_message.Message):

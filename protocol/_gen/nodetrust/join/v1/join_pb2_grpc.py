@@ -39,6 +39,11 @@ class JoinStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.BeginJoin = channel.unary_unary(
+                '/nodetrust.join.v1.Join/BeginJoin',
+                request_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.BeginJoinRequest.SerializeToString,
+                response_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.BeginJoinResponse.FromString,
+                _registered_method=True)
         self.RequestJoin = channel.unary_unary(
                 '/nodetrust.join.v1.Join/RequestJoin',
                 request_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinRequest.SerializeToString,
@@ -59,6 +64,16 @@ class JoinServicer:
 
     """
 
+    def BeginJoin(self, request, context):
+        """The first step of a join to a pool that checks measured boot: the server
+        chooses a nonce for this request and says which PCRs to quote. For a pool
+        that does not check measured boot the answer has no PCRs and no quote is
+        needed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RequestJoin(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -78,6 +93,11 @@ class JoinServicer:
 
 def add_JoinServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'BeginJoin': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginJoin,
+                    request_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.BeginJoinRequest.FromString,
+                    response_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.BeginJoinResponse.SerializeToString,
+            ),
             'RequestJoin': grpc.unary_unary_rpc_method_handler(
                     servicer.RequestJoin,
                     request_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinRequest.FromString,
@@ -103,6 +123,33 @@ class Join:
     report passes the pool's policy, recomputed on the server.
 
     """
+
+    @staticmethod
+    def BeginJoin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodetrust.join.v1.Join/BeginJoin',
+            nodetrust_dot_join_dot_v1_dot_join__pb2.BeginJoinRequest.SerializeToString,
+            nodetrust_dot_join_dot_v1_dot_join__pb2.BeginJoinResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def RequestJoin(request,

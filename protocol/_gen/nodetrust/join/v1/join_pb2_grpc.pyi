@@ -37,6 +37,12 @@ class JoinStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> JoinAsyncStub: ...
+    BeginJoin: _grpc.UnaryUnaryMultiCallable[_join_pb2.BeginJoinRequest, _join_pb2.BeginJoinResponse]
+    """The first step of a join to a pool that checks measured boot: the server
+    chooses a nonce for this request and says which PCRs to quote. For a pool
+    that does not check measured boot the answer has no PCRs and no quote is
+    needed.
+    """
     RequestJoin: _grpc.UnaryUnaryMultiCallable[_join_pb2.JoinRequest, _join_pb2.JoinResponse]
     ReportJoined: _grpc.UnaryUnaryMultiCallable[_join_pb2.JoinedRequest, _join_pb2.JoinedResponse]
     """The agent reports that `kubeadm join` succeeded with the token it was
@@ -54,6 +60,12 @@ class JoinAsyncStub(JoinStub):
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
+    BeginJoin: _aio.UnaryUnaryMultiCallable[_join_pb2.BeginJoinRequest, _join_pb2.BeginJoinResponse]  # type: ignore[assignment]
+    """The first step of a join to a pool that checks measured boot: the server
+    chooses a nonce for this request and says which PCRs to quote. For a pool
+    that does not check measured boot the answer has no PCRs and no quote is
+    needed.
+    """
     RequestJoin: _aio.UnaryUnaryMultiCallable[_join_pb2.JoinRequest, _join_pb2.JoinResponse]  # type: ignore[assignment]
     ReportJoined: _aio.UnaryUnaryMultiCallable[_join_pb2.JoinedRequest, _join_pb2.JoinedResponse]  # type: ignore[assignment]
     """The agent reports that `kubeadm join` succeeded with the token it was
@@ -68,6 +80,18 @@ class JoinServicer(metaclass=_abc_1.ABCMeta):
     bootstrap token only to an attested, unbanned agent whose verification
     report passes the pool's policy, recomputed on the server.
     """
+
+    @_abc_1.abstractmethod
+    def BeginJoin(
+        self,
+        request: _join_pb2.BeginJoinRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_join_pb2.BeginJoinResponse, _abc.Awaitable[_join_pb2.BeginJoinResponse]]:
+        """The first step of a join to a pool that checks measured boot: the server
+        chooses a nonce for this request and says which PCRs to quote. For a pool
+        that does not check measured boot the answer has no PCRs and no quote is
+        needed.
+        """
 
     @_abc_1.abstractmethod
     def RequestJoin(
