@@ -210,7 +210,7 @@ def check(reference: BootReference, log: eventlog.EventLog) -> list[Mismatch]:
                             event.index,
                             f"PCR {pcr}: event {event.index} ({event.type_name} "
                             f"{event.label(60)!r}) does not hash to its own digest",
-                        )  # fmt: skip
+                        )
                     )
                     break
                 continue
@@ -224,7 +224,7 @@ def check(reference: BootReference, log: eventlog.EventLog) -> list[Mismatch]:
                             0,
                             f"PCR {pcr}: the boot measured {len(actual)} event(s); the image "
                             f"expects {len(ref.events)}: missing {expected.describe()}",
-                        )  # fmt: skip
+                        )
                     )
                     break
                 got = actual[n]
@@ -248,6 +248,6 @@ def check(reference: BootReference, log: eventlog.EventLog) -> list[Mismatch]:
                             extra.index,
                             f"PCR {pcr}: event {extra.index} ({extra.type_name} "
                             f"{extra.label(80)!r}) is not in the image's boot chain",
-                        )  # fmt: skip
+                        )
                     )
     return problems
