@@ -242,7 +242,13 @@ def _mode(item: LockedInput) -> str:
 
 
 def _unit_source(defn: Definition, source: str) -> Path:
+    """A unit file of the agent source: a regular file inside it, never a link to a host file."""
     path = defn.agent.source / source
+    if path.is_symlink() or not path.resolve().is_relative_to(defn.agent.source.resolve()):
+        raise BuildError(
+            f"the agent unit {path} is a symbolic link or lies outside {defn.agent.source}: refused",
+            hint="a unit is copied into the image: keep it a regular file in the agent source (agent.units)",
+        )
     if not path.is_file():
         raise BuildError(f"the agent unit {path} does not exist", hint="check agent.units in the definition")
     return path

@@ -1,5 +1,6 @@
 """How builds fail: a tampered payload before any VM starts; an installer error, diagnosed from its console
-and logs; a hang, caught by the idle watchdog; and Ctrl-C, which leaves nothing behind."""
+and logs; a hang, caught by the idle watchdog; and Ctrl-C or SIGTERM in a VM phase the build reports, which
+leave nothing behind (the same without a VM: tests/imagebuilder/test_interrupt.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import (
@@ -25,6 +28,8 @@ from conftest import (
     wait_for_other_vms,
     work_dir,
 )
+
+from imagebuilder.vm import DOMAIN_PREFIX
 
 pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(3600)]
 SPIRE = "/spire/v1.14.1/spire-1.14.1-linux-amd64-musl.tar.gz"
@@ -121,30 +126,78 @@ def test_a_hanging_installer_is_caught_by_the_watchdog(env: Env, tmp_path: Path,
     _no_leftovers(work, tmp_path / "out")
 
 
-def test_sigint_mid_build_leaves_no_domain_no_temporary_files_no_output(env: Env, full_build: Build,
-                                                                          tmp_path: Path, work: Path) -> None:  # fmt: skip
-    out = tmp_path / "out"
+def _events(progress: Path) -> list[dict[str, Any]]:
+    if not progress.exists():
+        return []
+    return [json.loads(line) for line in progress.read_text().splitlines() if line.endswith("}")]
+
+
+def _stop_at(env: Env, full_build: Build, tmp_path: Path, work: Path, *, bases: Path, phase: str,
+             sig: signal.Signals) -> tuple[str, list[dict[str, Any]]]:  # fmt: skip
+    """Build with ``--progress``, send ``sig`` once the build reports ``phase`` (a VM phase: its domain runs),
+    and check that it stopped there and left nothing; return the domain's name and the events.
+
+    The build starts with SIGINT ignored, as a build started in the background by a script (``make test &``,
+    nohup, many CI runners) inherits it: the way the old test once saw a Ctrl-C lost and a build published."""
+    out, progress = (
+        tmp_path / f"out-{phase.replace('/', '-')}",
+        tmp_path / f"{phase.replace('/', '-')}.jsonl",
+    )
+    argv = [sys.executable, "-m", "imagebuilder.cli", "build", str(full_build.definition), "--lock", str(full_build.lock),
+            "--cache-dir", str(env.cache), "--base-cache", str(bases), "--out", str(out), "--work-dir", str(work),
+            "--progress", str(progress)]  # fmt: skip
     wait_for_other_vms()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "imagebuilder.cli", "build", str(full_build.definition), "--lock", str(full_build.lock),
-         "--cache-dir", str(env.cache), *(["--base-cache", str(full_build.bases)] if full_build.bases else []),
-         "--out", str(out), "--work-dir", str(work)],
-        cwd=REPO, env=env.environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        deadline = time.monotonic() + 600
-        while not any(p.stat().st_size > 0 for p in work.glob("*/console.log")):
+        proc = subprocess.Popen(argv, cwd=REPO, env=env.environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        deadline = time.monotonic() + 900
+        while not any(e.get("phase") == phase and e["event"] == "start" for e in _events(progress)):
             assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the installer never printed on its console"
-            time.sleep(1)
-        # the work directory is imagebuilder-<build id>-<random>; the domain is imagebuilder-<build id>
-        own = next(p.parent.name for p in work.glob("*/console.log")).rsplit("-", 1)[0]
-        assert own in domains(), f"no build VM {own} while the build runs: {domains()}"
-        proc.send_signal(signal.SIGINT)
-        _stdout, stderr = proc.communicate(timeout=120)
+            assert time.monotonic() < deadline, f"the build never reported {phase}"
+            time.sleep(0.5)
+        own = DOMAIN_PREFIX + _events(progress)[0]["build_id"]
+        assert own in domains(), f"no build VM {own} while the build reports {phase}: {domains()}"
+        proc.send_signal(sig)
+        _stdout, stderr = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
     assert proc.returncode == 130, stderr[-3000:]
-    assert "interrupted; the build was cleaned up" in stderr
+    assert "imagebuilder: interrupted; the build was cleaned up" in stderr
+    events = _events(progress)
+    assert events[-1]["event"] == "result" and events[-1]["outcome"] == "interrupted", events[-3:]
+    parent = phase.split("/", 1)[0]
+    assert [e["outcome"] for e in events if e.get("phase") == parent and e["event"] == "end"] == [
+        "interrupted"
+    ]
     _no_leftovers(work, out, domain=own)
+    return own, events
+
+
+def test_sigint_and_sigterm_stop_the_build_in_a_vm_phase_and_leave_nothing(env: Env, full_build: Build,
+                                                                             tmp_path: Path, work: Path) -> None:  # fmt: skip
+    """Ctrl-C in the incremental path's provisioning boot, SIGTERM in the full path's installer: each stops the
+    build in the phase it reported, removes the domain, the work directory and the unpublished folder."""
+    assert full_build.bases is not None
+    started = time.monotonic()
+    _own, events = _stop_at(env, full_build, tmp_path, work, bases=full_build.bases, phase="provision/boot",
+                            sig=signal.SIGINT)  # fmt: skip
+    assert not any(e.get("phase") == "install" for e in events), "the session's base was not reused"
+    incremental = time.monotonic() - started
+    # the full path: an empty base cache, so the installer runs; SIGTERM once its VM boots
+    bases = Path(tempfile.mkdtemp(prefix="vmtest-bases-", dir="/var/tmp"))
+    try:
+        _own, events = _stop_at(env, full_build, tmp_path, work, bases=bases, phase="install/boot",
+                                sig=signal.SIGTERM)  # fmt: skip
+        assert any(e.get("phase") == "installer-media" for e in events)
+        assert not list(bases.glob("*/base.json")) and not list(bases.glob(".tmp-*")), "a base was stored"
+    finally:
+        shutil.rmtree(bases, ignore_errors=True)
+    print(
+        f"\nsignals: incremental path stopped after {incremental:.0f} s, both paths {time.monotonic() - started:.0f} s"
+    )

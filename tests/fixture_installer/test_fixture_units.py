@@ -7,6 +7,10 @@ are checked with the real tools (marker ``subprocess``).
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -341,3 +345,41 @@ def test_flat_repo(tmp_path: Path) -> None:
     assert "Filename: ./t_1_all.deb\n" in packages
     assert "SHA256: " in packages
     assert " Packages\n" in (repo / "Release").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_fixture_build_stops_on_a_signal_even_with_sigint_inherited_ignored(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """A mirror that accepts the connection and never answers holds debootstrap; the signal then stops the
+    build (started the way a script's background job is, with SIGINT ignored) and nothing is cached."""
+    mirror = socket.socket()
+    mirror.bind(("127.0.0.1", 0))
+    mirror.listen(8)
+    mirror.settimeout(600)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fixtures.installer.build", "--cache-dir", str(tmp_path / "cache"),
+             "--mirror", f"http://127.0.0.1:{mirror.getsockname()[1]}/debian"],
+            cwd=Path(build.__file__).resolve().parents[2], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        held, _ = mirror.accept()  # debootstrap asks the mirror: the build is in its rootfs step
+        proc.send_signal(sig)
+        _out, err = proc.communicate(timeout=120)
+        held.close()
+    finally:
+        mirror.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err[-3000:]
+    assert "fixture installer build interrupted; nothing was cached" in err
+    left = sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".lock-"))
+    assert left in ([], ["packages"]), (
+        f"a build folder or an entry was left: {left}"
+    )  # packages: debootstrap's cache
+    assert build.cached_iso(tmp_path / "cache") is None

@@ -144,6 +144,24 @@ def test_a_damaged_base_is_removed_and_never_used(tmp_path: Path, damage: str) -
 
 
 @pytest.mark.subprocess
+def test_base_json_never_names_the_files_that_are_checked(tmp_path: Path) -> None:
+    """base.json's ``files`` is a record, not a list of paths: a record that names a host file instead of the
+    base's own (whose digest it knows) must not pass a damaged base off as intact."""
+    cache = BaseCache(tmp_path / "bases")
+    stored = _store(cache, "k1", tmp_path / "in")
+    host = tmp_path / "host-file"
+    host.write_bytes(b"any host file")
+    record = json.loads((stored.folder / "base.json").read_text())
+    record["files"] = {os.path.relpath(host, stored.folder): {"sha256": hashlib.sha256(b"any host file").hexdigest(),
+                                                              "size": 13}}  # fmt: skip
+    (stored.folder / "base.json").write_text(json.dumps(record))
+    with stored.disk.open("r+b") as fh:
+        fh.truncate(1024)  # the base itself is damaged
+    assert cache.lookup("k1") is None  # before: only the named host file was hashed, and the base was used
+    assert not stored.folder.exists() and host.read_bytes() == b"any host file"
+
+
+@pytest.mark.subprocess
 def test_only_the_most_recently_used_bases_are_kept(tmp_path: Path) -> None:
     cache = BaseCache(tmp_path / "bases")
     for index, key in enumerate(("k1", "k2", "k3")):

@@ -206,3 +206,21 @@ def test_lock_fields_never_become_paths_outside_the_staging_tree(tmp_path: Path,
     for name in ("..", ".", "a/b", "-rf", "x\n", ""):
         with pytest.raises(LockError):
             plain_name(name)
+
+
+def test_an_agent_unit_that_is_a_link_to_a_host_file_is_refused(tmp_path: Path) -> None:
+    source = tmp_path / "agent-source"
+    (source / "agent/systemd").mkdir(parents=True)
+    secret = tmp_path / "host-secret"
+    secret.write_text("not a unit\n")
+    (source / "agent/systemd/nodeagent.service").symlink_to(secret)
+    defn = load_definition(
+        REPO / "examples/fixture-node.yaml", environ={"IMAGEBUILDER_FIXTURE_ISO": "/x.iso"}
+    )
+    defn = dataclasses.replace(defn, agent=dataclasses.replace(defn.agent, source=source))
+    with pytest.raises(BuildError, match=r"nodeagent\.service is a symbolic link or lies outside"):
+        staged_files(defn, [])
+    with pytest.raises(BuildError, match="is a symbolic link"):
+        build_tree(tmp_path / "tree", defn, [], wheels=[], pip_wheel="pip-1-py3-none-any.whl",
+                   agent_requirement="nodetrust==0.1.0", image_info={})  # fmt: skip
+    assert not list((tmp_path / "tree").rglob("*nodeagent.service"))
