@@ -51,9 +51,12 @@ class SignatureError(ProtocolError):
 class ReleaseFormatError(ProtocolError):
     """A signed build or release statement, a build manifest or a release manifest breaks its contract.
 
-    ``file`` names the file at fault (``signature.dsse.json``, ``manifest.json``, ``release.json``).
+    ``file`` names the file at fault (``signature.dsse.json``, ``manifest.json``, ``release.json``);
+    ``reason`` is ``format`` (the contract is broken) or ``digest`` (a file does not hash to the
+    digest the signature covers).
     """
 
-    def __init__(self, file: str, message: str) -> None:
+    def __init__(self, file: str, message: str, *, reason: str = "format") -> None:
         super().__init__(f"{file}: {message}")
         self.file = file
+        self.reason = reason
