@@ -599,6 +599,30 @@ def encode_creation_attest(
     )
 
 
+def encode_quote_attest(
+    *,
+    qualified_signer: bytes,
+    extra_data: bytes,
+    bank: int,
+    select: bytes,
+    pcr_digest: bytes,
+    clock: int = 0,
+    reset_count: int = 0,
+    restart_count: int = 0,
+    magic: int = TPM_GENERATED_VALUE,
+) -> bytes:
+    """Marshal a TPMS_ATTEST holding a TPMS_QUOTE_INFO (what TPM2_Quote signs; tests and tools)."""
+    return (
+        struct.pack(">IH", magic, TPM_ST_ATTEST_QUOTE)
+        + tpm2b(qualified_signer)
+        + tpm2b(extra_data)
+        + struct.pack(">QIIBQ", clock, reset_count, restart_count, 1, 0)
+        + struct.pack(">IHB", 1, bank, len(select))
+        + select
+        + tpm2b(pcr_digest)
+    )
+
+
 def encode_rsa_signature(signature: bytes, *, hash_alg: int = Alg.SHA256, alg: int = Alg.RSASSA) -> bytes:
     """Marshal an RSASSA/RSAPSS TPMT_SIGNATURE."""
     return struct.pack(">HH", alg, hash_alg) + tpm2b(signature)

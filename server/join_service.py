@@ -231,6 +231,12 @@ class JoinService:
         policy = pool.measured_boot
         if policy is None:
             return
+        if not (request.nonce and request.quote and request.quote_signature and request.event_log):
+            raise InvalidRequestError(
+                f"pool {pool.name} checks measured boot: call BeginJoin, then send a TPM2_Quote over its nonce and "
+                "the event log (upgrade the agent)",
+                reason="quote_missing",
+            )
         now = int(self.clock())
         nonce_pool = await self._in_thread(
             self.store.consume_nonce, record.spiffe_id, hashlib.sha256(request.nonce).hexdigest(), now

@@ -188,5 +188,31 @@ class SimulatedTpm:
     def activate(self, credential: Credential) -> bytes:
         return activate_credential(self.ek, self.ak_name(), credential)
 
+    def quote(
+        self,
+        nonce: bytes,
+        pcr_values: dict[int, bytes],
+        *,
+        bank: str = "sha256",
+        sign_with: rsa.RSAPrivateKey | None = None,
+        select: list[int] | None = None,
+        pcr_digest: bytes | None = None,
+    ) -> tuple[bytes, bytes]:
+        """TPM2_Quote's (TPMS_ATTEST, TPMT_SIGNATURE) over ``pcr_values`` with this TPM's AK."""
+        from protocol.quote import BANK_ALGS, selection_bitmap
+
+        pcrs = sorted(pcr_values) if select is None else select
+        digest = pcr_digest or hashlib.sha256(b"".join(pcr_values[i] for i in pcrs)).digest()
+        attest = tpm2.encode_quote_attest(
+            qualified_signer=self.ak_name(),
+            extra_data=nonce,
+            bank=BANK_ALGS[bank],
+            select=selection_bitmap(pcrs),
+            pcr_digest=digest,
+            clock=int.from_bytes(os.urandom(4), "big"),
+        )
+        signer = sign_with or self.ak
+        return attest, tpm2.encode_rsa_signature(signer.sign(attest, padding.PKCS1v15(), hashes.SHA256()))
+
     def with_ak_attrs(self, attrs: int) -> SimulatedTpm:
         return replace(self, ak_attrs=attrs)
