@@ -180,7 +180,10 @@ def _call(env: JoinEnv, agent: SimAgent, method: str, request: Any, reply: Any) 
 
 
 def begin(env: JoinEnv, agent: SimAgent, pool: str = "measured") -> join_pb2.BeginJoinResponse:
-    return _call(env, agent, "BeginJoin", join_pb2.BeginJoinRequest(pool=pool), join_pb2.BeginJoinResponse)
+    answer: join_pb2.BeginJoinResponse = _call(
+        env, agent, "BeginJoin", join_pb2.BeginJoinRequest(pool=pool), join_pb2.BeginJoinResponse
+    )
+    return answer
 
 
 def values_of(log: bytes, pcrs: list[int]) -> dict[int, bytes]:
@@ -218,7 +221,8 @@ def request_join(
         quote_signature=quote[1],
         event_log=log,
     )
-    return _call(env, agent, "RequestJoin", req, join_pb2.JoinResponse)
+    grant: join_pb2.JoinResponse = _call(env, agent, "RequestJoin", req, join_pb2.JoinResponse)
+    return grant
 
 
 def _no_token(env: JoinEnv, agent: SimAgent) -> bool:
@@ -312,7 +316,7 @@ def test_a_stale_or_foreign_nonce_is_refused(env: JoinEnv, agent: SimAgent, tmp_
     answer = begin(env, agent)
     log = image_boot().log()
     quote = agent.sim.quote(answer.nonce, values_of(log, list(answer.pcrs)))
-    fields = {"log": log, "nonce": answer.nonce, "quote": quote}
+    fields: dict[str, Any] = {"log": log, "nonce": answer.nonce, "quote": quote}
     assert request_join(env, agent, **fields).token
     store = env.srv.app.store
     assert store is not None
