@@ -18,8 +18,8 @@ from pathlib import Path
 from imagebuilder.errors import CommandError, VerificationError
 from imagebuilder.run import run
 
-_SUMS_GNU = re.compile(r"^([0-9a-fA-F]{64})\s+\*?(.+?)\s*$")
-_SUMS_BSD = re.compile(r"^SHA256 \((.+)\) = ([0-9a-fA-F]{64})\s*$")
+_SUMS_GNU = re.compile(r"([0-9a-fA-F]{64})\s+\*?(.+?)\s*")  # fullmatch: never "before a final newline"
+_SUMS_BSD = re.compile(r"SHA256 \((.+)\) = ([0-9a-fA-F]{64})\s*")
 
 
 def _binary_keyring(keyring: Path, workdir: Path) -> Path:
@@ -77,11 +77,11 @@ def parse_checksums(text: str) -> dict[str, str]:
     """File name -> lower-case sha256, from ``<hex>  <name>`` / ``<hex> *<name>`` or BSD lines."""
     sums: dict[str, str] = {}
     for line in text.splitlines():
-        gnu = _SUMS_GNU.match(line)
+        gnu = _SUMS_GNU.fullmatch(line)
         if gnu:
             sums[gnu.group(2).lstrip("./")] = gnu.group(1).lower()
             continue
-        bsd = _SUMS_BSD.match(line)
+        bsd = _SUMS_BSD.fullmatch(line)
         if bsd:
             sums[bsd.group(1).lstrip("./")] = bsd.group(2).lower()
     return sums

@@ -48,7 +48,7 @@ INTERACTIVE = re.compile(
 )
 PANIC = re.compile(r"Kernel panic - not syncing.*")
 INSTALLER_ERROR = re.compile(r"An error occurred during installation.*")
-PRINTED_EVENT = re.compile(r"^(start|finish): (\S+): (?:(SUCCESS|WARN|FAIL): )?(.*)$")
+PRINTED_EVENT = re.compile(r"(start|finish): (\S+): (?:(SUCCESS|WARN|FAIL): )?(.*)")  # fullmatch
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 ERROR_DUMP_WAIT_S = 120.0
 TAIL_LINES = 30
@@ -371,7 +371,7 @@ class Watcher:
 
     def _console_line(self, line: str) -> None:
         if self.listener is None or self.listener.received == 0:
-            match = PRINTED_EVENT.match(line.strip())
+            match = PRINTED_EVENT.fullmatch(line.strip())
             if match:
                 kind, name, result, description = match.groups()
                 self._event(InstallerEvent(kind, name, description, result or "", "INFO", "console"))
