@@ -1,0 +1,5 @@
+import sys
+
+from imager.cli import main
+
+sys.exit(main())

@@ -1,0 +1,445 @@
+"""Writing a verified image: the disk becomes bootable only once every byte is verified.
+
+Both paths hold back the first :data:`HEAD_BYTES` of the image (the protective MBR and the primary
+GPT) and write them last, after the digest matched and the body read back equal. The target was
+wiped first (:func:`imager.blockdev.wipe`), so until the head is committed the disk has no valid
+partition table at either end: firmware finds nothing to boot, whatever happens in between (a
+tampered byte, a cut connection, a power loss).
+
+* **raw** (:func:`write_raw`): the image streams from the network straight to the disk. Each 8 MiB
+  buffer is hashed as it arrives and handed to a writer thread (``O_DIRECT`` on aligned buffers),
+  so hashing and writing overlap; the digest is compared when the last byte is in. No tool ever
+  reads the bytes. A raw image that starts with a QCOW2, VMDK, VHDX, QED, VDI or LUKS magic is
+  refused at its first buffer.
+* **qcow2** (:func:`write_qcow2`): the image streams into a scratch file in memory (tmpfs), hashed
+  as it comes; qemu-img sees it only after the digest matched and :mod:`imager.qcow2` passed its
+  header. ``qemu-img convert -f qcow2`` (never a probe) writes all but the head, ``qemu-img
+  compare`` reads the body back, then the head is extracted, written and read back.
+
+docs/bare-metal.md, "Raw or QCOW2", gives the measured trade-off (``bench/imager.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from imager import blockdev
+from imager.blockdev import ALIGN, Target, aligned_buffer, open_target, pwrite_all
+from imager.errors import ImagerError, Reason
+from imager.http import Fetcher
+from imager.progress import Progress
+from imager.qcow2 import HEADER_READ, check_header, container_format
+from imager.run import run
+from protocol.release import Image, digests_equal
+
+log = logging.getLogger(__name__)
+
+HEAD_BYTES = 1 << 20
+CHUNK = 8 << 20
+DEPTH = 4
+SCRATCH_MARGIN = 64 << 20
+_QUEUE_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a write did: the image's digest (verified), how many bytes of disk it covers, how long."""
+
+    sha256: str
+    disk_bytes: int
+    seconds: float
+    readback_seconds: float
+
+
+def _digest_refusal(name: str, signed: str, actual: str) -> ImagerError:
+    return ImagerError(
+        Reason.digest_mismatch,
+        f"{name}: sha256 mismatch (the signature says {signed}, the bytes received are {actual})",
+        hint="the image on the server is not the signed one (tampered or half-published): republish the release",
+    )
+
+
+class _Writer(threading.Thread):
+    """Writes queued buffers to the target; returns each buffer to the free pool."""
+
+    def __init__(self, target: Target, free: queue.Queue[mmap.mmap]) -> None:
+        super().__init__(name="imager-writer", daemon=True)
+        self.target = target
+        self.free = free
+        self.work: queue.Queue[tuple[mmap.mmap, int, int, int] | None] = queue.Queue()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            item = self.work.get()
+            if item is None:
+                return
+            buf, start, length, offset = item
+            try:
+                if self.error is None:
+                    self._write(memoryview(buf)[start:length], offset)
+            except OSError as exc:
+                self.error = exc
+            finally:
+                self.free.put(buf)
+
+    def _write(self, view: memoryview, offset: int) -> None:
+        if not self.target.direct or (len(view) % ALIGN == 0 and offset % ALIGN == 0):
+            pwrite_all(self.target.fd, view, offset)
+            return
+        aligned = len(view) - len(view) % ALIGN
+        if aligned and offset % ALIGN == 0:
+            pwrite_all(self.target.fd, view[:aligned], offset)
+        else:
+            aligned = 0
+        fd = os.open(self.target.path, os.O_WRONLY | os.O_CLOEXEC)  # the unaligned tail, buffered
+        try:
+            pwrite_all(fd, view[aligned:], offset + aligned)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class DiskSink:
+    """The raw stream's sink: hashes every byte, writes all but the head, keeps the head in memory."""
+
+    def __init__(self, target: Target, name: str, progress: Progress | None = None) -> None:
+        self.target = target
+        self.name = name
+        self.progress = progress
+        self.hash = hashlib.sha256()
+        self.free: queue.Queue[mmap.mmap] = queue.Queue()
+        for _ in range(DEPTH):
+            self.free.put(aligned_buffer(CHUNK))
+        self.writer = _Writer(target, self.free)
+        self.writer.start()
+        self.current = self._take()
+        self.fill = 0
+        self.offset = 0
+        self.head = b""
+
+    def _take(self) -> mmap.mmap:
+        while True:
+            self._check()
+            try:
+                return self.free.get(timeout=_QUEUE_POLL_S)
+            except queue.Empty:
+                continue
+
+    def _check(self) -> None:
+        if self.writer.error is not None:
+            error = self.writer.error
+            raise ImagerError(
+                Reason.write_failed,
+                f"{self.target.path}: writing failed: {getattr(error, 'strerror', None) or error}",
+                hint="the disk reports an I/O error: check it (SMART, the controller log) or choose another",
+            )
+
+    def buffer(self) -> memoryview:
+        return memoryview(self.current)[self.fill :]
+
+    def filled(self, n: int) -> None:
+        self.fill += n
+        if self.progress is not None:
+            self.progress.update(n)
+        if self.fill == CHUNK:
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        view = memoryview(self.current)[: self.fill]
+        self.hash.update(view)
+        start = 0
+        if self.offset == 0:
+            found = container_format(bytes(view[:64]))
+            if found is not None:
+                raise ImagerError(
+                    Reason.image_format,
+                    f"{self.name}: declared raw but it is a {found} image",
+                    hint="the release names the wrong artifact for the raw format: republish it",
+                )
+            self.head = bytes(view[:HEAD_BYTES])
+            start = len(self.head)
+        if start < self.fill:
+            self.writer.work.put((self.current, start, self.fill, self.offset + start))
+        else:
+            self.free.put(self.current)
+        self.offset += self.fill
+        self.fill = 0
+        self.current = self._take()
+
+    def finish(self) -> str:
+        """Write what is left, wait for the writer, flush; the hex digest of everything received."""
+        if self.fill:
+            self._hand_over()
+        self.free.put(self.current)
+        self.writer.work.put(None)
+        self.writer.join()
+        self._check()
+        try:
+            os.fsync(self.target.fd)
+        except OSError as exc:
+            raise ImagerError(
+                Reason.write_failed, f"{self.target.path}: flushing failed: {exc.strerror}"
+            ) from None
+        return self.hash.hexdigest()
+
+    def abort(self) -> None:
+        self.writer.work.put(None)
+        self.writer.join(timeout=60)
+
+
+class FileSink:
+    """The QCOW2 stream's sink: a scratch file, hashed as it is written."""
+
+    def __init__(self, path: Path, progress: Progress | None = None) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        self.hash = hashlib.sha256()
+        self.progress = progress
+        self.buf = bytearray(CHUNK)
+
+    def buffer(self) -> memoryview:
+        return memoryview(self.buf)
+
+    def filled(self, n: int) -> None:
+        view = memoryview(self.buf)[:n]
+        self.hash.update(view)
+        while view:
+            view = view[os.write(self.fd, view) :]
+        if self.progress is not None:
+            self.progress.update(n)
+
+    def close(self) -> str:
+        os.close(self.fd)
+        return self.hash.hexdigest()
+
+
+def hash_disk(
+    path: Path, length: int, *, what: str, console: Callable[[str, int], Progress] | None = None
+) -> str:
+    """SHA-256 of the first ``length`` bytes of ``path``, read from the disk (not the page cache)."""
+    blockdev.flush(path)
+    digest = hashlib.sha256()
+    progress = console(what, length) if console else None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    buf = aligned_buffer(CHUNK)
+    view = memoryview(buf)
+    offset = 0
+    try:
+        while offset < length:
+            want = min(CHUNK, length - offset)
+            rounded = -(-want // ALIGN) * ALIGN
+            got = os.preadv(fd, [view[:rounded]], offset)
+            if got < want:
+                if got <= 0:
+                    raise ImagerError(
+                        Reason.readback_mismatch, f"{path}: reading back stopped at byte {offset}"
+                    )
+                want = min(want, got)
+            digest.update(view[:want])
+            offset += want
+            if progress is not None:
+                progress.update(want)
+    except OSError as exc:
+        raise ImagerError(
+            Reason.write_failed, f"{path}: reading back failed at byte {offset}: {exc.strerror}"
+        ) from None
+    finally:
+        os.close(fd)
+        view.release()
+        buf.close()
+    if progress is not None:
+        progress.finish()
+    return digest.hexdigest()
+
+
+def write_raw(
+    fetcher: Fetcher,
+    url: str,
+    image: Image,
+    target_path: Path,
+    *,
+    console: Callable[[str, int], Progress] | None = None,
+) -> Written:
+    """Stream a raw image to ``target_path`` (already wiped); verify, commit the head, read back."""
+    started = time.monotonic()
+    with open_target(target_path) as target:
+        if image.size > target.size:
+            raise ImagerError(
+                Reason.image_too_large,
+                f"{image.name}: {image.size} bytes do not fit the {target.size}-byte disk",
+                hint="choose a larger disk with the hints",
+            )
+        progress = console(f"writing {image.name}", image.size) if console else None
+        sink = DiskSink(target, image.name, progress)
+        try:
+            fetcher.stream(url, name=image.name, size=image.size, sink=sink)
+            actual = sink.finish()
+        except BaseException:
+            sink.abort()
+            raise
+        if progress is not None:
+            progress.finish()
+    if not digests_equal(actual, image.sha256):
+        raise _digest_refusal(image.name, image.sha256, actual)
+    blockdev.write_at(target_path, sink.head, 0)
+    wrote = time.monotonic() - started
+    readback = time.monotonic()
+    back = hash_disk(target_path, image.size, what="reading back", console=console)
+    if not digests_equal(back, image.sha256):
+        raise ImagerError(
+            Reason.readback_mismatch,
+            f"{target_path}: the disk reads back as sha256 {back}, not the verified {image.sha256}",
+            hint="the disk does not keep what is written to it: replace it or choose another",
+        )
+    return Written(actual, image.size, wrote, time.monotonic() - readback)
+
+
+def _driver(is_block: bool) -> str:
+    return "host_device" if is_block else "file"
+
+
+def _opts(**options: str | int) -> str:
+    for value in options.values():
+        if "," in str(value):
+            raise ImagerError(Reason.internal, f"a qemu-img option value holds a comma: {value!r}")
+    return ",".join(f"{key.replace('__', '.')}={value}" for key, value in options.items())
+
+
+def fetch_scratch(
+    fetcher: Fetcher,
+    url: str,
+    image: Image,
+    scratch: Path,
+    *,
+    console: Callable[[str, int], Progress] | None = None,
+) -> Path:
+    """Download a QCOW2 into ``scratch`` (in memory), hashed as it comes; refuse it unless it matches."""
+    try:
+        stats = os.statvfs(scratch.parent)
+    except OSError as exc:
+        raise ImagerError(Reason.memory, f"{scratch.parent}: {exc.strerror}") from None
+    free = stats.f_bavail * stats.f_frsize
+    if free < image.size + SCRATCH_MARGIN:
+        raise ImagerError(
+            Reason.memory,
+            f"{image.name}: {image.size} bytes do not fit the {free} bytes of memory free for the download",
+            hint="give the server more memory, or publish a raw image with the release and boot with "
+            "nodeimager.format=raw (it streams to the disk)",
+        )
+    progress = console(f"downloading {image.name}", image.size) if console else None
+    sink = FileSink(scratch, progress)
+    try:
+        fetcher.stream(url, name=image.name, size=image.size, sink=sink)
+    except BaseException:
+        sink.close()
+        scratch.unlink(missing_ok=True)
+        raise
+    actual = sink.close()
+    if progress is not None:
+        progress.finish()
+    if not digests_equal(actual, image.sha256):
+        scratch.unlink(missing_ok=True)
+        raise _digest_refusal(image.name, image.sha256, actual)
+    return scratch
+
+
+def _poll_writes(progress: Progress | None) -> Callable[[int], None] | None:
+    if progress is None:
+        return None
+
+    def poll(pid: int) -> None:
+        try:
+            for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+                key, _, value = line.partition(":")
+                if key == "wchar":
+                    progress.set(int(value))
+        except (OSError, ValueError):
+            pass
+
+    return poll
+
+
+def write_qcow2(
+    scratch: Path,
+    image: Image,
+    target_path: Path,
+    *,
+    console: Callable[[str, int], Progress] | None = None,
+) -> Written:
+    """Convert a verified QCOW2 onto ``target_path`` (already wiped): header check, body, compare,
+    then the head, which makes the disk bootable, last."""
+    started = time.monotonic()
+    with scratch.open("rb") as fh:
+        head = fh.read(HEADER_READ)
+    size = blockdev.disk_size(target_path)
+    header = check_header(head, name=image.name, disk_size=size)
+    if image.virtual_size is not None and image.virtual_size != header.virtual_size:
+        raise ImagerError(
+            Reason.image_format,
+            f"{image.name}: the QCOW2 holds a {header.virtual_size}-byte disk, the release says {image.virtual_size}",
+            hint="republish the release from the build folder",
+        )
+    virtual = header.virtual_size
+    if virtual <= HEAD_BYTES:
+        raise ImagerError(
+            Reason.image_format, f"{image.name}: a {virtual}-byte disk is too small to be an image"
+        )
+    with open_target(target_path) as target:
+        is_block, direct = target.is_block, target.direct
+    source = _opts(driver="raw", offset=HEAD_BYTES, file__driver="qcow2", file__file__driver="file",
+                   file__file__filename=str(scratch))  # fmt: skip
+    body = _opts(driver="raw", offset=HEAD_BYTES, size=virtual - HEAD_BYTES, file__driver=_driver(is_block),
+                 file__filename=str(target_path))  # fmt: skip
+    cache = "none" if direct else "writeback"
+    progress = console(f"writing {image.name}", virtual) if console else None
+    run(["qemu-img", "convert", "-n", "-t", cache, "-T", "none" if direct else "writeback",
+         "--image-opts", source, "--target-image-opts", body],
+        reason=Reason.write_failed, timeout=6 * 3600, poll=_poll_writes(progress),
+        hint="the disk refused the write: check it, or choose another")  # fmt: skip
+    if progress is not None:
+        progress.set(virtual)
+        progress.finish()
+    wrote = time.monotonic() - started
+    readback = time.monotonic()
+    blockdev.flush(target_path)
+    compared = run(["qemu-img", "compare", "-T", "none" if direct else "writeback", "--image-opts", source, body],
+                   reason=Reason.readback_mismatch, check=False, timeout=6 * 3600)  # fmt: skip
+    if compared.returncode != 0:
+        raise ImagerError(
+            Reason.readback_mismatch if compared.returncode == 1 else Reason.write_failed,
+            f"{target_path}: the disk does not read back as the verified image (qemu-img compare status "
+            f"{compared.returncode})",
+            hint="the disk does not keep what is written to it: replace it or choose another",
+        )
+    head_file = scratch.with_name(scratch.name + ".head")
+    head_file.unlink(missing_ok=True)
+    run(["qemu-img", "convert", "-O", "raw", "--image-opts",
+         _opts(driver="raw", size=HEAD_BYTES, file__driver="qcow2", file__file__driver="file",
+               file__file__filename=str(scratch)), str(head_file)],
+        reason=Reason.write_failed, timeout=600)  # fmt: skip
+    head_bytes = head_file.read_bytes()
+    head_file.unlink(missing_ok=True)
+    if len(head_bytes) != HEAD_BYTES:
+        raise ImagerError(
+            Reason.write_failed, f"{image.name}: the image's first MiB came out {len(head_bytes)} bytes"
+        )
+    blockdev.write_at(target_path, head_bytes, 0)
+    if blockdev.read_at(target_path, 0, HEAD_BYTES) != head_bytes:
+        raise ImagerError(
+            Reason.readback_mismatch,
+            f"{target_path}: the partition table does not read back as written",
+            hint="the disk does not keep what is written to it: replace it or choose another",
+        )
+    return Written(image.sha256, virtual, wrote, time.monotonic() - readback)
