@@ -64,6 +64,21 @@ def tpm_agent_id(trust_domain: str, ek_pub_hash: str) -> SpiffeId:
     return SpiffeId(trust_domain, f"/spire/agent/tpm/{ek_pub_hash}")
 
 
+_SHA1_HEX_RE = re.compile(r"[0-9a-f]{40}")
+
+
+def is_agent_id(spiffe_id: SpiffeId, trust_domain: str) -> bool:
+    """An ID an agent of ``trust_domain`` can hold: ``tpm/<sha256 hex>`` or ``tpm_devid/<sha1 hex>``."""
+    parts = spiffe_id.path.split("/")
+    if spiffe_id.trust_domain != trust_domain or len(parts) != 5 or parts[1:3] != ["spire", "agent"]:
+        return False
+    if parts[3] == "tpm":
+        return bool(_HASH_RE.fullmatch(parts[4]))
+    if parts[3] == "tpm_devid":
+        return bool(_SHA1_HEX_RE.fullmatch(parts[4]))
+    return False
+
+
 def is_tpm_agent_id(spiffe_id: SpiffeId, trust_domain: str) -> bool:
     parts = spiffe_id.path.split("/")
     return (

@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "server.commands.run",
     "server.commands.bundle",
     "server.commands.agents",
+    "server.commands.identity",
 )
 
 

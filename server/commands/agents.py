@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import time
 from typing import Any
 
+from protocol.spiffe import is_agent_id
 from server.commands.common import add_config_option, config_from
 from server.errors import NotFoundError
 
@@ -15,7 +17,10 @@ _ACTIONS = {
         "ban an agent: it is refused at its next attestation and join",
         "Ban the agent with this SPIFFE ID: its next attestation and every join request are refused with "
         "PERMISSION_DENIED (reason banned), even if it has never attested (a placeholder is recorded). "
-        "Its current SVID stays valid until it expires; lower agent_svid_ttl to shorten that window.",
+        "Its live bootstrap token is revoked at once and deleted from the token backend (or, if the backend "
+        "cannot be reached now, by the server's sweeper within 30 s). Its current SVID stays valid until it "
+        "expires; lower agent_svid_ttl to shorten that window. An ID that no agent of this trust domain can "
+        "hold (another trust domain, another attestor, a malformed hash) is refused.",
     ),
     "unban": (
         "lift a ban",
@@ -97,21 +102,61 @@ def run_action(args: argparse.Namespace) -> int:
     from server.app import open_store_for
     from server.errors import InvalidRequestError
 
+    config = config_from(args)
     try:
-        SpiffeId.parse(args.spiffe_id)
+        parsed = SpiffeId.parse(args.spiffe_id)
     except SpiffeIdError as exc:
         raise InvalidRequestError(f"{args.spiffe_id!r} is not a SPIFFE ID: {exc}") from exc
-    store = open_store_for(config_from(args))
+    if args.action == "ban" and not is_agent_id(parsed, config.trust_domain):
+        raise InvalidRequestError(
+            f"{args.spiffe_id} can never be an agent of {config.trust_domain}: agent IDs are "
+            f"spiffe://{config.trust_domain}/spire/agent/tpm/<64 hex> or .../tpm_devid/<40 hex> "
+            "(see `nodeserver agents list`)"
+        )
+    store = open_store_for(config)
+    revoked: list[str] = []
     try:
+        live = store.live_token(args.spiffe_id, int(time.time())) if args.action == "ban" else None
         changed = {"ban": store.ban_agent, "unban": store.unban_agent, "delete": store.delete_agent}[
             args.action
         ](args.spiffe_id)
+        if live is not None:
+            revoked.append(live.token_id)
+            _delete_now(config, store, live.agent_id, live.token_id, live.backend_ref)
     finally:
         store.close()
     if not changed and args.action != "ban":
         raise NotFoundError(f"no agent {args.spiffe_id} (or nothing to change)")
     if args.json:
-        print(json.dumps({"action": args.action, "spiffe_id": args.spiffe_id, "changed": bool(changed)}))
+        print(
+            json.dumps(
+                {
+                    "action": args.action,
+                    "spiffe_id": args.spiffe_id,
+                    "changed": bool(changed),
+                    "revoked_tokens": revoked,
+                }
+            )
+        )
     else:
         print(f"{args.action}: {args.spiffe_id}{'' if changed else ' (already banned)'}")
+        for token_id in revoked:
+            print(f"revoked bootstrap token {token_id}")
     return 0
+
+
+def _delete_now(config: Any, store: Any, agent_id: str, token_id: str, ref: str) -> None:
+    """Delete a revoked token from the backend now; the server's sweeper retries if this fails."""
+    from server.pools import join_settings
+    from server.tokens.backend import open_backend
+
+    settings = join_settings(config.extra, base_dir=config.base_dir)
+    if settings is None:
+        return
+    try:
+        open_backend(settings.token_backend, base_dir=config.base_dir).delete(token_id, ref)
+        store.forget_token(agent_id, token_id)
+    except Exception as exc:  # the ban stands; the sweeper deletes the token later
+        print(
+            f"note: token {token_id} is revoked; deleting it from the backend failed ({exc}); the server retries"
+        )

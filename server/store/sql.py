@@ -374,15 +374,18 @@ class SqlStore(ABC):
         return [NameBinding(r[0], r[1], r[2], int(r[3])) for r in rows]
 
     def enrol(self, enrolment: Enrolment) -> None:
-        params = (
-            enrolment.ek_hash,
-            enrolment.node_name,
-            enrolment.pool,
-            enrolment.serial,
-            json.dumps(dict(enrolment.disk_hints), sort_keys=True),
-            enrolment.enrolled_at,
-        )
-        self._write(lambda tx: tx.execute(_ENROL, params), single=True)
+        self.enrol_all([enrolment])
+
+    def enrol_all(self, enrolments: list[Enrolment]) -> None:
+        """Enrol every machine in one transaction: all of them, or none."""
+
+        def work(tx: Tx) -> None:
+            for e in enrolments:
+                params = (e.ek_hash, e.node_name, e.pool, e.serial, json.dumps(dict(e.disk_hints), sort_keys=True),
+                          e.enrolled_at)  # fmt: skip
+                tx.execute(_ENROL, params)
+
+        self._write(work)
 
     def unenrol(self, ek_hash: str) -> bool:
         return self._write(lambda tx: tx.one(_UNENROL, (ek_hash,)) is not None, single=True)

@@ -16,8 +16,10 @@ Public API::
         secret_matches(candidate: str) -> bool   # constant-time
         secret_name -> str         # "bootstrap-token-<id>"
 
+    KUBEADM_NODE_GROUP = "system:bootstrappers:kubeadm:default-node-token"
     new_token(*, ttl_s: int, now: int, description: str = "",
               extra_groups: tuple[str, ...] = ()) -> BootstrapToken
+        # extra_groups always starts with KUBEADM_NODE_GROUP (added when missing)
     secret_name(token_id: str) -> str
     rfc3339(ts: int) -> str                       # "2026-11-30T08:00:00Z"
     secret_manifest(token: BootstrapToken) -> dict[str, Any]
@@ -49,6 +51,10 @@ EXTRA_GROUP_RE = re.compile(r"\Asystem:bootstrappers:[a-z0-9:-]{0,255}[a-z0-9]\Z
 _TOKEN_IN_TEXT = re.compile(r"\b([a-z0-9]{6})\.[a-z0-9]{16}\b")
 
 NAMESPACE = "kube-system"
+# The group kubeadm's RBAC is bound to (`kubeadm init phase bootstrap-token`): reading the kubeadm-config and
+# kubelet-config ConfigMaps, getting Nodes, creating and auto-approving the kubelet's CSR. A token without
+# it authenticates but cannot join a kubeadm cluster, so every token nodeserver mints carries it.
+KUBEADM_NODE_GROUP = "system:bootstrappers:kubeadm:default-node-token"
 SECRET_TYPE = "bootstrap.kubernetes.io/token"  # noqa: S105 - a Secret type, not a password
 SECRET_PREFIX = "bootstrap-token-"  # noqa: S105 - a name prefix
 MANAGED_BY = "nodetrust"
@@ -146,7 +152,11 @@ class BootstrapToken:
 def new_token(
     *, ttl_s: int, now: int, description: str = "", extra_groups: tuple[str, ...] = ()
 ) -> BootstrapToken:
-    """A fresh random token expiring ``ttl_s`` seconds after ``now``."""
+    """A fresh random token expiring ``ttl_s`` seconds after ``now``.
+
+    Its groups are :data:`KUBEADM_NODE_GROUP` first, then ``extra_groups`` (a pool's own groups are added
+    to kubeadm's, never instead of it: without it ``kubeadm join`` is refused its ConfigMaps and CSR).
+    """
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or ttl_s <= 0:
         raise ValueError("ttl_s must be a positive number of seconds")
     token_id = "".join(secrets.choice(_ALPHABET) for _ in range(6))
@@ -156,7 +166,7 @@ def new_token(
         secret=secret,
         expires_at=int(now) + ttl_s,
         description=description,
-        extra_groups=tuple(extra_groups),
+        extra_groups=(KUBEADM_NODE_GROUP, *(g for g in extra_groups if g != KUBEADM_NODE_GROUP)),
     )
 
 
