@@ -337,6 +337,18 @@ def write_lock(
         "base_packages": dict(sorted(base_packages.items())),
         "inputs": [i.to_json() for i in sorted(inputs, key=lambda i: i.key)],
     }
+    # What upstream published (file names, versions) is checked like any lock before the file exists:
+    # a lock that a build would refuse is never written.
+    problems = schemacheck.validate(schemacheck.load_schema(SCHEMA_RESOURCE), data)
+    missing, extra, wrong = implied_problems(defn, inputs)
+    problems += [f"not locked: {key}" for key in missing] + [f"not implied: {key}" for key in extra] + wrong
+    if problems:
+        raise LockError(
+            f"{defn.path}: the resolved inputs do not make a valid lock ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems[:40]),
+            hint="an upstream index or checksum file named something the builder refuses (see the problems); "
+            f"nothing was written to {lock_path}",
+        )
     text = json.dumps(data, indent=2, sort_keys=True) + "\n"
     tmp = lock_path.with_name(f".{lock_path.name}.tmp-{os.getpid()}")
     tmp.write_text(text, encoding="utf-8")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from imagebuilder.build import Build, BuildOptions
 from imagebuilder.cache import Cache
@@ -21,7 +23,7 @@ from imagebuilder.cli import main
 from imagebuilder.closure import apt_closures
 from imagebuilder.definition import load_definition
 from imagebuilder.errors import LockError, VerificationError
-from imagebuilder.lock import check_lock, load_lock
+from imagebuilder.lock import check_lock, create_lock, load_lock
 from imagebuilder.staging import StagedFile
 from tests.imagebuilder.conftest import Locked
 
@@ -211,3 +213,22 @@ def test_a_wheel_the_agent_does_not_install_is_refused_by_name(locked: Locked, t
     ):
         built.wheelhouse(work, files)
     shutil.rmtree(work)
+
+
+def test_imagebuilder_lock_never_writes_a_lock_a_build_would_refuse(locked: Locked, tmp_path: Path) -> None:
+    """The lock's file names come from upstream (URLs, indexes): one that is not a plain name stops the
+    lock before anything is written."""
+    odd = tmp_path / "spire\nagent.tar.gz"  # a file name with a newline, served as file:// (%0A)
+    odd.write_bytes(b"not really a tarball")
+    data = yaml.safe_load(locked.definition.read_text())
+    spire = data["artifacts"][1]
+    spire.pop("checksums")
+    spire["urls"] = "file://" + urllib.parse.quote(str(odd))
+    spire["sha256"] = hashlib.sha256(odd.read_bytes()).hexdigest()
+    path = tmp_path / "odd.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(LockError) as caught:
+        create_lock(load_definition(path), Cache(locked.cache), tmp_path / "odd.lock.json")
+    assert "filename: 'spire\\nagent.tar.gz' does not match" in caught.value.message
+    assert "nothing was written" in caught.value.hint
+    assert list(tmp_path.glob("*odd.lock.json*")) == []
