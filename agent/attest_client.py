@@ -88,6 +88,9 @@ async def attest_async(
     csr = make_csr(key)
     try:
         svid = await _exchange(target, tls, attestor, csr, timeout)
+        if attestor.ak_blob is not None:
+            # The AK the server just credential-activated and recorded: later quotes are signed by it.
+            store.write_ak(attestor.ak_blob)
     except BaseException:
         store.discard_pending()  # the new key never became an SVID's key
         raise

@@ -80,6 +80,7 @@ class AgentConfig:
     deadline_s: float = 1500.0  # give up (exit non-zero, systemd restarts) after this long
     reattest_before_s: float = 600.0  # re-attest when the SVID has less than this left
     timeout_s: float = 60.0  # per network exchange
+    event_log: str = "/sys/kernel/security/tpm0/binary_bios_measurements"  # the firmware's TCG event log
 
     @property
     def join_address(self) -> str:
@@ -204,6 +205,12 @@ TABLE = Table(
             60.0,
             flag_aliases=("--timeout",),
         ),
+        Setting(
+            "event_log",
+            _PATH,
+            "the firmware's TCG event log, sent with the TPM quote to pools that check measured boot",
+            "/sys/kernel/security/tpm0/binary_bios_measurements",
+        ),
     ),
     env_prefix=ENV_PREFIX,
     cmdline_prefix=CMDLINE_PREFIX,
@@ -225,6 +232,21 @@ COMMAND_SETTINGS: Mapping[str, tuple[str, ...]] = {
         "timeout_s",
     ),
     "check": ("pool_profile", "pool"),
+    "reattest": (
+        "server",
+        "join_server",
+        "trust_domain",
+        "bundle",
+        "tcti",
+        "ek_alg",
+        "require_ek_cert",
+        "pool",
+        "node_name",
+        "state_dir",
+        "reattest_before_s",
+        "timeout_s",
+        "event_log",
+    ),
 }
 # Option strings that differ from the table's, per command: ``check --pool`` predates
 # ``--pool-profile`` and keeps its meaning (a profile); the pool name is then read from the

@@ -151,6 +151,20 @@ class TpmUnusableError(TpmError):
     permanent = True
 
 
+class AkUnusableError(TpmError):
+    """The AK kept since the last attestation is missing or cannot be loaded (TPM cleared, another
+    machine's state folder): the agent attests again, which makes and records a new one."""
+
+    action = Action.ATTEST_AGAIN
+
+
+class EventLogUnavailableError(TpmError):
+    """The firmware's TCG event log cannot be read (no securityfs, no log, too large): no quote can prove the boot."""
+
+    exit_code = 3
+    permanent = True
+
+
 class EkCertificateError(TpmError):
     """The EK certificate is missing or does not match the EK."""
 

@@ -1,8 +1,11 @@
 """The join broker's client: RequestJoin and ReportJoined over mutual TLS with the agent SVID.
 
-``request_join_async`` sends the verification report and returns the one-time
-:class:`JoinGrant`; ``report_joined_async`` tells the broker, after ``kubeadm join``
-succeeded, that the token was used, so the broker revokes it at once. Refusals become
+``begin_join_async`` asks the broker which PCRs the pool checks and for a nonce
+(:class:`agent.tpm.quote.QuoteRequest`; none for a pool that does not check measured boot);
+``request_join_async`` sends the verification report, and the quote and event log when asked,
+and returns the one-time :class:`JoinGrant`; ``report_joined_async`` tells the broker, after
+``kubeadm join`` succeeded, that the token was used, so the broker revokes it at once;
+``recheck_async`` sends a joined node's fresh quote (``nodeagent reattest``). Refusals become
 errors through :mod:`agent.refusals` (status and reason slug, never the message text).
 """
 
@@ -29,14 +32,17 @@ from agent.errors import (
 )
 from agent.refusals import DetailsCodec, Rpc, from_grpc_error
 from agent.tls import SpiffeTLSContext
+from agent.tpm.quote import QuoteEvidence, QuoteRequest
 from protocol._gen.nodetrust.join.v1 import join_pb2
 from protocol.spiffe import server_id
 
 log = logging.getLogger(__name__)
 
+BEGIN_METHOD = "/nodetrust.join.v1.Join/BeginJoin"
 JOIN_METHOD = "/nodetrust.join.v1.Join/RequestJoin"
 REPORT_METHOD = "/nodetrust.join.v1.Join/ReportJoined"
-_METHODS = {Rpc.JOIN: JOIN_METHOD, Rpc.REPORT_JOINED: REPORT_METHOD}
+# Not served by this version of nodeserver yet: the re-check of a joined node (docs/attestation.md).
+RECHECK_METHOD = "/nodetrust.join.v1.Join/Recheck"
 _TOKEN_ID_RE = re.compile(r"[a-z0-9]{6}")
 
 
@@ -58,6 +64,45 @@ class JoinGrant:
         return f"JoinGrant(token=<redacted>, endpoint={self.api_server_endpoint}, expires={self.token_expires_at})"
 
 
+async def begin_join_async(
+    address: str,
+    *,
+    trust_domain: str,
+    bundle_pem: bytes,
+    svid_cert: Path,
+    svid_key: Path,
+    pool: str,
+    timeout: float = 60.0,
+) -> QuoteRequest | None:
+    """Join.BeginJoin: what to quote for ``pool``; None when the pool does not check measured boot."""
+    tls = _mtls(bundle_pem, trust_domain, svid_cert, svid_key)
+    request = join_pb2.BeginJoinRequest(pool=pool)
+    reply = await _unary(
+        address, tls, Rpc.JOIN, request, join_pb2.BeginJoinResponse, method=BEGIN_METHOD, timeout=timeout
+    )
+    if reply is None or not reply.pcrs:
+        return None
+    return QuoteRequest(
+        nonce=bytes(reply.nonce), bank=reply.pcr_bank, pcrs=tuple(reply.pcrs), expires_at=reply.expires_at
+    )
+
+
+def _join_request(pool: str, node_name: str, report: bytes, evidence: QuoteEvidence | None) -> Any:
+    request = join_pb2.JoinRequest(
+        pool=pool,
+        node_name=node_name,
+        report=report,
+        request_id=secrets.token_hex(16),
+        requested_at=int(time.time()),
+    )
+    if evidence is not None:
+        request.nonce = evidence.nonce
+        request.quote = evidence.quote
+        request.quote_signature = evidence.signature
+        request.event_log = evidence.event_log
+    return request
+
+
 async def request_join_async(
     address: str,
     *,
@@ -68,18 +113,15 @@ async def request_join_async(
     pool: str,
     node_name: str,
     report: bytes,
+    evidence: QuoteEvidence | None = None,
     timeout: float = 60.0,
 ) -> JoinGrant:
-    """Join.RequestJoin: the verification report for the one-time :class:`JoinGrant`."""
+    """Join.RequestJoin: the verification report (and the quote) for the one-time :class:`JoinGrant`."""
     tls = _mtls(bundle_pem, trust_domain, svid_cert, svid_key)
-    request = join_pb2.JoinRequest(
-        pool=pool,
-        node_name=node_name,
-        report=report,
-        request_id=secrets.token_hex(16),
-        requested_at=int(time.time()),
+    request = _join_request(pool, node_name, report, evidence)
+    reply = await _unary(
+        address, tls, Rpc.JOIN, request, join_pb2.JoinResponse, method=JOIN_METHOD, timeout=timeout
     )
-    reply = await _unary(address, tls, Rpc.JOIN, request, join_pb2.JoinResponse, timeout=timeout)
     if reply is None or not reply.token:
         raise RefusedForNowError(
             "the broker answered without a token", hint="see the broker's log for this request; retrying"
@@ -130,8 +172,43 @@ async def report_joined_async(
         )
     tls = _mtls(bundle_pem, trust_domain, svid_cert, svid_key)
     request = join_pb2.JoinedRequest(token_id=token_id, node_name=node_name)
-    reply = await _unary(address, tls, Rpc.REPORT_JOINED, request, join_pb2.JoinedResponse, timeout=timeout)
+    reply = await _unary(
+        address,
+        tls,
+        Rpc.REPORT_JOINED,
+        request,
+        join_pb2.JoinedResponse,
+        method=REPORT_METHOD,
+        timeout=timeout,
+    )
     return bool(reply is not None and reply.revoked)
+
+
+async def recheck_async(
+    address: str,
+    *,
+    trust_domain: str,
+    bundle_pem: bytes,
+    svid_cert: Path,
+    svid_key: Path,
+    pool: str,
+    node_name: str,
+    evidence: QuoteEvidence,
+    report: bytes = b"",
+    timeout: float = 60.0,
+) -> str:
+    """Join.Recheck: a joined node's fresh quote and event log; the server's verdict ("" if it gave none).
+
+    The request is a JoinRequest (pool, node name, request id and time, nonce, quote, signature,
+    log); the server mints nothing for it. Refusals (``measurement_changed``, ``boot_not_accepted``,
+    the quote's own reasons) come back like RequestJoin's.
+    """
+    tls = _mtls(bundle_pem, trust_domain, svid_cert, svid_key)
+    request = _join_request(pool, node_name, report, evidence)
+    reply = await _unary(
+        address, tls, Rpc.RECHECK, request, join_pb2.JoinResponse, method=RECHECK_METHOD, timeout=timeout
+    )
+    return str(reply.verdict) if reply is not None else ""
 
 
 def _mtls(bundle_pem: bytes, trust_domain: str, svid_cert: Path, svid_key: Path) -> SpiffeTLSContext:
@@ -152,6 +229,7 @@ async def _unary(
     request: Any,
     reply_type: Any,
     *,
+    method: str,
     timeout: float,
 ) -> Any:
     """One unary call to the broker; transport and refusals become :class:`AgentError` subclasses."""
@@ -166,7 +244,7 @@ async def _unary(
     channel = Channel(host, port, ssl=tls, status_details_codec=DetailsCodec())
     try:
         async with channel.request(
-            _METHODS[rpc], Cardinality.UNARY_UNARY, type(request), reply_type, timeout=timeout
+            method, Cardinality.UNARY_UNARY, type(request), reply_type, timeout=timeout
         ) as stream:
             await stream.send_message(request, end=True)
             return await stream.recv_message()

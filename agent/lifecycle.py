@@ -320,18 +320,38 @@ class Lifecycle:
         if self._svid_valid_until() - self.clock() <= self.config.reattest_before_s:
             log.info("the SVID expires within reattest_before_s: attesting again first")
             return Step.ATTEST
-        from agent.join_client import request_join_async
+        from agent.join_client import begin_join_async, request_join_async
+        from agent.tpm.quote import make_evidence
 
+        bundle = self._bundle()
+        asked = asyncio.run(
+            begin_join_async(
+                self.config.join_address,
+                trust_domain=self.config.trust_domain,
+                bundle_pem=bundle,
+                svid_cert=self.svids.cert_path,
+                svid_key=self.svids.key_path,
+                pool=self.config.pool,
+                timeout=self.config.timeout_s,
+            )
+        )
+        evidence = None
+        if asked is not None:
+            # The pool checks measured boot: a quote over its nonce, by the AK the server activated.
+            evidence = make_evidence(
+                self.config.tcti, self.svids.load_ak(), asked, Path(self.config.event_log)
+            )
         self._grant = asyncio.run(
             request_join_async(
                 self.config.join_address,
                 trust_domain=self.config.trust_domain,
-                bundle_pem=self._bundle(),
+                bundle_pem=bundle,
                 svid_cert=self.svids.cert_path,
                 svid_key=self.svids.key_path,
                 pool=self.config.pool,
                 node_name=self.config.effective_node_name,
                 report=self._report,
+                evidence=evidence,
                 timeout=self.config.timeout_s,
             )
         )

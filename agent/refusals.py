@@ -45,8 +45,9 @@ MAX_MESSAGE_CHARS = 512  # of the server's message kept in errors, logs and the 
 
 class Rpc(StrEnum):
     ATTEST = "attest"  # spire.api.server.agent.v1.Agent/AttestAgent
-    JOIN = "join"  # nodetrust.join.v1.Join/RequestJoin
+    JOIN = "join"  # nodetrust.join.v1.Join/BeginJoin and RequestJoin
     REPORT_JOINED = "report_joined"  # nodetrust.join.v1.Join/ReportJoined
+    RECHECK = "recheck"  # nodetrust.join.v1.Join/Recheck (a joined node's measured boot, again)
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ SPIRE_REASONS = {
     "AGENT_NOT_ATTESTED": "not_attested",
 }
 
-A, J, R = Rpc.ATTEST, Rpc.JOIN, Rpc.REPORT_JOINED
+A, J, R, C = Rpc.ATTEST, Rpc.JOIN, Rpc.REPORT_JOINED, Rpc.RECHECK
 _AUDIT = "see the server's audit log for this attempt"
 _VERSIONS = "the agent and the server may be of different versions: " + _AUDIT
 _EK_TRUST = (
@@ -105,6 +106,72 @@ _PERMANENT_FAMILY_HINTS = {
     Family.EVIDENCE: "the TPM's evidence did not verify: " + _AUDIT,
     Family.EK_TRUST: _EK_TRUST,
     Family.POLICY: "the server's policy refuses this node: fix what the message names, or join another pool",
+}
+
+# Reasons of the measured-boot check and of the name binding, at BeginJoin, RequestJoin and Recheck.
+_MEASURED_BOOT: dict[str, Rule] = {
+    "quote_missing": Rule(
+        JoinRefusedError,
+        "the pool checks measured boot but the request had no quote: BeginJoin named no PCRs, so the broker "
+        "and its pools disagree (restart nodeserver after changing pools); " + _AUDIT,
+    ),
+    "quote_no_ak": Rule(
+        NotAttestedError,
+        "the server holds no AK for this agent (it attested before quotes): the agent attests again",
+    ),
+    "quote_signature": Rule(
+        JoinRefusedError,
+        "the quote is not signed by the AK the server recorded: the agent attests again once (its kept AK and "
+        "the server's record may be of different attestations); if it is refused again, this TPM is not the one "
+        "that attested: " + _AUDIT,
+        action=Action.ATTEST_AGAIN,
+    ),
+    "quote_nonce": Rule(
+        RefusedForNowError,
+        "the nonce expired or was used before the quote arrived: the agent asks for a new one",
+    ),
+    "quote_malformed": Rule(JoinRefusedError, _VERSIONS),
+    "quote_selection": Rule(JoinRefusedError, _VERSIONS),
+    "quote_bank": Rule(
+        JoinRefusedError,
+        "this TPM (or its firmware's event log) lacks the PCR bank the pool quotes: enable the SHA-256 PCR bank in "
+        "the firmware's TPM settings (SHA-1-only TPMs cannot join a pool that checks measured boot)",
+    ),
+    "eventlog_malformed": Rule(
+        JoinRefusedError,
+        "the firmware's event log is not a TCG crypto-agile log (a TPM 1.2-style SHA-1 log?): update the firmware "
+        "or check event_log",
+    ),
+    "eventlog_replay": Rule(
+        RefusedForNowError,
+        "the event log does not replay to the quoted PCRs (a PCR extended between reading the log and quoting, or "
+        "a log that is not this boot's): the agent retries; " + _AUDIT,
+    ),
+    "boot_not_accepted": Rule(
+        JoinRefusedError,
+        "this node booted something the pool's releases do not measure (the message names the PCR and the event): "
+        "reinstall it with a release the pool lists, or list this release's boot-measurements.json in "
+        "pools.<pool>.measured_boot.releases",
+    ),
+    "measurement_changed": Rule(
+        JoinRefusedError,
+        "this joined node's boot measurements changed since it was admitted (a new kernel, initrd, command line or "
+        "boot configuration): reinstall an accepted release, or have an operator admit the new one",
+    ),
+    "node_name_taken": Rule(
+        JoinRefusedError,
+        "another machine joined under this node name first: set node_name to this machine's own name, or an "
+        "operator releases the name (`nodeserver names release`)",
+    ),
+    "not_enrolled": Rule(
+        JoinRefusedError,
+        "the pool admits only enrolled machines: an operator enrols this EK (`nodeserver enrol add`, the EK hash "
+        "from `nodeagent attest --print-ek-hash`)",
+    ),
+    "enrolment_mismatch": Rule(
+        JoinRefusedError,
+        "this machine is enrolled with another node name or pool: set node_name and pool to its enrolment",
+    ),
 }
 
 RULES: dict[Key, Rule] = {
@@ -194,6 +261,8 @@ RULES: dict[Key, Rule] = {
         for rpc in (J, R)
     },
     (None, None, "challenge_timeout"): Rule(RefusedForNowError, _SLOW),
+    # -- measured boot and identity (BeginJoin, RequestJoin, Recheck): rows of their own below --
+    **{(rpc, None, slug): rule for rpc in (J, C) for slug, rule in _MEASURED_BOOT.items()},
     # -- families: reasons without a row of their own, including ones newer than this agent ---
     # The permanent families: each RPC's own class (exit 6 for attestation, 8 for the broker).
     **{
@@ -276,6 +345,7 @@ _WHAT = {
     Rpc.ATTEST: "attestation refused by the server",
     Rpc.JOIN: "join refused by the broker",
     Rpc.REPORT_JOINED: "the broker did not take the join report",
+    Rpc.RECHECK: "the re-check of this node's boot was refused by the broker",
 }
 
 

@@ -25,8 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from agent.errors import ConfigError, EkCertificateError, TpmError, TpmUnavailableError, TpmUnusableError
+from agent.errors import (
+    AkUnusableError,
+    ConfigError,
+    EkCertificateError,
+    TpmError,
+    TpmUnavailableError,
+    TpmUnusableError,
+)
 from agent.tpm import rc as rc_codes
+from agent.tpm.akblob import AkBlob
 from agent.tpm.ekcert import clean_nv_certificate, same_public_key
 from protocol import tpm2
 from protocol.credential import Credential
@@ -76,6 +84,7 @@ class TpmAttestor:
         self._ek: EkInfo | None = None
         self._ak_handle: Any = None
         self._ak_name: bytes = b""
+        self.ak_blob: AkBlob | None = None  # the AK made by make_ak, to keep for later quotes
 
     # -- life cycle ---------------------------------------------------------
     def __enter__(self) -> TpmAttestor:
@@ -248,6 +257,7 @@ class TpmAttestor:
         public = bytes(pub.publicArea.marshal())
         self._ak_handle = ak
         self._ak_name = tpm2.parse_public(public).name()
+        self.ak_blob = AkBlob(public=bytes(pub.marshal()), private=bytes(priv.marshal()))
         return AttestationParameters(
             public=public,
             create_data=bytes(creation_data.creationData.marshal()),
@@ -259,6 +269,48 @@ class TpmAttestor:
         """The whole ``tpm`` payload: EK and freshly certified AK parameters."""
         ek = self.read_ek()
         return AttestationData(ek=ek.ek_data, ak=self.make_ak())
+
+    def load_ak(self, blob: AkBlob) -> None:
+        """Load a kept AK under the SRK (for a quote); it is flushed on close like every transient."""
+        from tpm2_pytss import TSS2_Exception
+        from tpm2_pytss.types import TPM2B_PRIVATE, TPM2B_PUBLIC
+
+        public = _unmarshal_exact(TPM2B_PUBLIC, blob.public, "kept AK public", who="ak.json")
+        private = _unmarshal_exact(TPM2B_PRIVATE, blob.private, "kept AK private", who="ak.json")
+        srk = self._srk()
+        try:
+            ak = self._ctx.load(srk, private, public)
+        except TSS2_Exception as exc:
+            advice = rc_codes.advise(int(exc.rc))
+            if advice.permanent:
+                raise _tpm_error("loading the kept AK", int(exc.rc)) from exc
+            # Integrity or key-size errors: the AK was wrapped by another SRK (the TPM was cleared, or the
+            # state folder belongs to another machine). A new attestation makes a new AK.
+            raise AkUnusableError(
+                f"the AK kept in the state folder cannot be loaded into this TPM: {advice.cause}",
+                hint="the TPM was cleared or the state folder is another machine's: the agent attests again",
+            ) from exc
+        self._transient.append(ak)
+        self._ak_handle = ak
+        self._ak_name = blob.name()
+
+    def quote(self, bank: str, pcrs: tuple[int, ...], nonce: bytes) -> tuple[bytes, bytes]:
+        """TPM2_Quote of ``pcrs`` in ``bank`` over ``nonce`` with the loaded AK: (TPMS_ATTEST, TPMT_SIGNATURE)."""
+        if self._ak_handle is None:
+            raise TpmError(
+                "quote() called before an AK was made or loaded", hint="this is a bug in the caller"
+            )
+        from tpm2_pytss.types import TPM2B_DATA, TPML_PCR_SELECTION
+
+        selection = TPML_PCR_SELECTION.parse(f"{bank}:{','.join(str(p) for p in pcrs)}")
+        quoted, signature = self._call(
+            f"quoting PCRs {','.join(str(p) for p in pcrs)} of the {bank} bank (TPM2_Quote)",
+            self._ctx.quote,
+            self._ak_handle,
+            selection,
+            TPM2B_DATA(nonce),
+        )
+        return bytes(quoted), bytes(signature.marshal())
 
     # -- activation ---------------------------------------------------------
     def activate(self, credential: Credential) -> bytes:
@@ -305,13 +357,14 @@ def _tpm_error(what: str, rc: int) -> TpmError:
     return cls(f"{what} failed: {advice.cause}", hint=advice.fix)
 
 
-def _unmarshal_exact(cls: Any, data: bytes, what: str) -> Any:
+def _unmarshal_exact(cls: Any, data: bytes, what: str, *, who: str = "the server's") -> Any:
+    hint = "remove ak.json and attest again" if who == "ak.json" else "check the server version"
     try:
         obj, used = cls.unmarshal(data)
     except Exception as exc:
-        raise TpmError(f"the server's {what} is malformed: {exc}", hint="check the server version") from exc
+        raise TpmError(f"{who} {what} is malformed: {exc}", hint=hint) from exc
     if used != len(data):
-        raise TpmError(f"the server's {what} has {len(data) - used} trailing bytes", hint="check the server")
+        raise TpmError(f"{who} {what} has {len(data) - used} trailing bytes", hint=hint)
     return obj
 
 

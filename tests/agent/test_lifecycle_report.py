@@ -106,7 +106,7 @@ def test_the_join_is_reported_with_the_tokens_public_id(make_node: Callable[...,
     assert (report.token_id, report.node_name) == ("abcdef", "worker-1")
     assert "0123456789abcdef" not in str(report), "the secret half never goes back to the broker"
     seen = [name for name, _, _ in node.srv.calls.seen]
-    assert seen == ["RequestJoin", "ReportJoined"], "reported after kubeadm join, once"
+    assert seen == ["BeginJoin", "RequestJoin", "ReportJoined"], "reported after kubeadm join, once"
 
 
 def test_a_failing_report_is_retried_and_never_undoes_the_join(

@@ -33,6 +33,8 @@ EXCEPTIONS = {
     "must_reattest": "at AttestAgent, attesting again is the retry",
     "unauthenticated": "identity at the join step: attest again",
     "not_attested": "identity: attest again",
+    "quote_nonce": "an expired or used nonce: the next attempt asks BeginJoin for a new one",
+    "eventlog_replay": "a PCR extended between reading the log and quoting: the next quote may match",
 }
 
 

@@ -6,6 +6,7 @@ steps; every time the next run finishes the join exactly once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from tests.support.swtpm import LocalCa, Swtpm, manufacture
 
 pytestmark = [pytest.mark.swtpm, pytest.mark.subprocess]
 ROOT = Path(__file__).resolve().parents[2]
+_NAMES = itertools.count(1)
 
 
 @dataclass
@@ -32,6 +34,8 @@ class Node:
     dir: Path
     kubeadm: Path
     record: Path
+    # Each test's machine (a new TPM) has a name of its own: a name belongs to the first EK granted it.
+    name: str = "worker-1"
 
     def run(
         self, *args: str, fault: str = "", extra_env: dict[str, str] | None = None, timeout: float = 180
@@ -45,7 +49,7 @@ class Node:
             NODEAGENT_TCTI=self.tpm.tcti,
             NODEAGENT_POOL="cpu",
             NODEAGENT_POOL_PROFILE=str(self.dir / "pool.yaml"),
-            NODEAGENT_NODE_NAME="worker-1",
+            NODEAGENT_NODE_NAME=self.name,
             NODEAGENT_STATE_DIR=str(self.dir / "state"),
             NODEAGENT_KUBEADM=str(self.kubeadm),
             NODEAGENT_JOIN_CONFIG=str(self.dir / "run" / "kubeadm-join.yaml"),
@@ -94,14 +98,14 @@ def node(env: JoinEnv, ek_ca: LocalCa, tmp_path: Path) -> Iterator[Node]:
     (tmp_path / "pool.yaml").write_text(yaml.safe_dump({"name": "cpu", **CPU_POOL}))
     record = tmp_path / "kubeadm-calls.jsonl"
     kubeadm = install_kubeadm_double(tmp_path / "bin", record)
-    yield Node(env, tpm, tmp_path, kubeadm, record)
+    yield Node(env, tpm, tmp_path, kubeadm, record, name=f"worker-{next(_NAMES)}")
     tpm.stop()
 
 
 def test_power_on_to_joined_and_never_again(node: Node) -> None:
     first = node.run("run")
     assert first.returncode == 0, first.stderr
-    assert "joined as worker-1" in first.stdout
+    assert f"joined as {node.name}" in first.stdout
     calls = node.kubeadm_calls()
     assert len(calls) == 1
     assert not (node.dir / "run" / "kubeadm-join.yaml").exists(), (
