@@ -21,6 +21,7 @@ class Fault:
     truncate: int | None = None  # send only this many bytes (announcing the full length), then close
     extra: int = 0  # send this many bytes more than the file (announcing the file's length)
     length: int | None = None  # announce this Content-Length
+    no_length: bool = False  # announce no Content-Length: the body ends when the connection closes
     redirect: str = ""  # answer 302 to this location
     status: int = 0  # answer with this status
     times: int = -1  # how many requests the fault applies to (-1: all)
@@ -83,7 +84,8 @@ class _Handler(BaseHTTPRequestHandler):
         announced = size - start
         if fault is not None and fault.length is not None:
             announced = fault.length
-        self.send_header("Content-Length", str(announced))
+        if fault is None or not fault.no_length:
+            self.send_header("Content-Length", str(announced))
         self.end_headers()
         limit = size - start
         if fault is not None and fault.truncate is not None:
