@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "agent.commands.status",
     "agent.commands.attest",
     "agent.commands.check",
+    "agent.commands.reattest",
 )
 
 log = logging.getLogger(__name__)

@@ -2,6 +2,8 @@
 
 ``nodeagent.service``                 -> /usr/lib/systemd/system/nodeagent.service (enabled)
 ``kubelet.service.d/10-nodeagent.conf`` -> /usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf
+``nodeagent-reattest.service``       -> /usr/lib/systemd/system/nodeagent-reattest.service
+``nodeagent-reattest.timer``         -> /usr/lib/systemd/system/nodeagent-reattest.timer (enabled)
 
 Packaged units belong in ``/usr/lib/systemd/system``, the vendor layer; ``/etc/systemd/system``
 is the administrator's, whose files and drop-ins override these.
@@ -21,6 +23,8 @@ from importlib import resources
 FILES = {
     "nodeagent.service": "/usr/lib/systemd/system/nodeagent.service",
     "kubelet.service.d/10-nodeagent.conf": "/usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf",
+    "nodeagent-reattest.service": "/usr/lib/systemd/system/nodeagent-reattest.service",
+    "nodeagent-reattest.timer": "/usr/lib/systemd/system/nodeagent-reattest.timer",
 }
 
 
