@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -272,38 +272,41 @@ class Boundary:
             self.write(call, "cancelled", "cancelled", "CANCELLED", "the client cancelled the request")
 
     # -- wrappers ---------------------------------------------------------------
+    @asynccontextmanager
+    async def _attempt(self, name: str, method: Method, context: Context) -> AsyncIterator[Call]:
+        """One attempt of ``name``: admission, then the body; every outcome mapped and audited once."""
+        call = Call(method=name, event=method.event, peer=context.peer() or "", boundary=self)
+        key: str | None = None
+        try:
+            key = self._admit(call, method.rated)
+            self._check_audit()
+            yield call
+        except ServerError as err:
+            await self._abort(context, self._refuse_line(call, err) if method.audited else err)
+        except asyncio.CancelledError:
+            if method.audited:
+                self._cancelled(call)
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("%s from %s failed unexpectedly", name, bound(call.peer))
+            internal = ServerError("internal error; the server logged the details")
+            await self._abort(context, self._refuse_line(call, internal) if method.audited else internal)
+        finally:
+            if key is not None:
+                self.limits.release(key)
+
     def unary(self, name: str, method: Method) -> Callable[[Any, Context], Awaitable[Any]]:
         async def serve(request: Any, context: Context) -> Any:
-            call = Call(method=name, event=method.event, peer=context.peer() or "", boundary=self)
-            key: str | None = None
-            try:
-                key = self._admit(call, method.rated)
+            async with self._attempt(name, method, context) as call:
                 if isinstance(request, Undecodable):
                     raise request.error(name)
-                self._check_audit()
                 response = await method.handler(request, context, call)
                 if method.audited and not call.committed:
                     call.commit("ok", "ok")
                 return response
-            except ServerError as err:
-                if not method.audited:
-                    await self._abort(context, err)
-                    raise
-                await self._abort(context, self._refuse_line(call, err))
-            except asyncio.CancelledError:
-                if method.audited:
-                    self._cancelled(call)
-                raise
-            except grpc.aio.AbortError:
-                raise
-            except Exception:
-                log.exception("%s from %s failed unexpectedly", name, bound(call.peer))
-                internal = ServerError("internal error; the server logged the details")
-                await self._abort(context, self._refuse_line(call, internal) if method.audited else internal)
-            finally:
-                if key is not None:
-                    self.limits.release(key)
-            raise AssertionError("unreachable")  # pragma: no cover - abort() raises
+            raise AssertionError("unreachable")  # pragma: no cover - _attempt aborts or re-raises
 
         return serve
 
@@ -311,30 +314,11 @@ class Boundary:
         self, name: str, method: Method
     ) -> Callable[[AsyncIterator[Any], Context], AsyncIterator[Any]]:
         async def serve(requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-            call = Call(method=name, event=method.event, peer=context.peer() or "", boundary=self)
-            key: str | None = None
-            try:
-                key = self._admit(call, method.rated)
-                self._check_audit()
+            async with self._attempt(name, method, context) as call:
                 async for response in method.handler(requests, context, call):
                     yield response
                 if method.audited and not call.committed:
                     raise ServerError(f"{name} ended without a result")
-            except ServerError as err:
-                await self._abort(context, self._refuse_line(call, err) if method.audited else err)
-            except asyncio.CancelledError:
-                if method.audited:
-                    self._cancelled(call)
-                raise
-            except grpc.aio.AbortError:
-                raise
-            except Exception:
-                log.exception("%s from %s failed unexpectedly", name, bound(call.peer))
-                internal = ServerError("internal error; the server logged the details")
-                await self._abort(context, self._refuse_line(call, internal) if method.audited else internal)
-            finally:
-                if key is not None:
-                    self.limits.release(key)
 
         return serve
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import threading
 import time
@@ -12,13 +11,10 @@ from typing import Any
 
 import pytest
 
-from agent.refusals import DetailsCodec
-from agent.tls import SpiffeTLSContext
 from protocol._gen.nodetrust.join.v1 import join_pb2
-from protocol.spiffe import server_id
-from protocol.status_details import ErrorDetail
 from server.store import TokenRecord
 from tests.support.joinenv import JoinEnv, SimAgent, attest_sim, cpu_report, join, start_join_env
+from tests.support.joinrpc import Refused, join_call
 from tests.support.simtpm import SimulatedTpm
 
 
@@ -32,51 +28,6 @@ def env(tmp_path: Path) -> Iterator[JoinEnv]:
 @pytest.fixture
 def agent(env: JoinEnv, tmp_path: Path) -> SimAgent:
     return attest_sim(env.srv, SimulatedTpm.create(env.ek_ca), tmp_path / "agent")
-
-
-class Refused(Exception):
-    def __init__(self, status: str, message: str, detail: ErrorDetail | None) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status, self.message, self.detail = status, message, detail
-
-    @property
-    def reason(self) -> str:
-        return self.detail.reason.slug if self.detail and self.detail.reason else ""
-
-
-def _unary(
-    env: JoinEnv, agent: SimAgent, method: str, request: Any, reply_cls: Any, *, cancel_after: float = 0
-) -> Any:
-    from grpclib.client import Channel
-    from grpclib.const import Cardinality
-    from grpclib.exceptions import GRPCError
-
-    async def call() -> Any:
-        tls = SpiffeTLSContext(
-            env.srv.bundle, [server_id("example.org")], cert_file=agent.cert, key_file=agent.key
-        )
-        ch = Channel("127.0.0.1", env.srv.app.ports.join, ssl=tls, status_details_codec=DetailsCodec())
-        try:
-            async with ch.request(
-                f"/nodetrust.join.v1.Join/{method}",
-                Cardinality.UNARY_UNARY,
-                type(request),
-                reply_cls,
-                timeout=30,
-            ) as stream:
-                await stream.send_message(request, end=True)
-                if cancel_after:
-                    await asyncio.sleep(cancel_after)
-                    await stream.cancel()
-                    return None
-                return await stream.recv_message()
-        except GRPCError as exc:
-            detail = exc.details if isinstance(exc.details, ErrorDetail) else None
-            raise Refused(exc.status.name, exc.message or "", detail) from exc
-        finally:
-            ch.close()
-
-    return asyncio.run(call())
 
 
 def _request(node_name: str = "node-1", **fields: Any) -> join_pb2.JoinRequest:
@@ -93,7 +44,7 @@ def _request(node_name: str = "node-1", **fields: Any) -> join_pb2.JoinRequest:
 
 def _joined(env: JoinEnv, agent: SimAgent, token_id: str, node_name: str | None = None) -> bool:
     name = node_name or agent.node_name
-    reply = _unary(env, agent, "ReportJoined", join_pb2.JoinedRequest(token_id=token_id, node_name=name),
+    reply = join_call(env, agent, "ReportJoined", join_pb2.JoinedRequest(token_id=token_id, node_name=name),
                    join_pb2.JoinedResponse)  # fmt: skip
     return bool(reply.revoked)
 
@@ -139,7 +90,7 @@ def test_joins_per_agent_are_limited(env: JoinEnv, agent: SimAgent) -> None:
     for n in range(3):
         join(env, agent, node_name=f"node-{n}")  # distinct names: no reuse
     with pytest.raises(Refused) as refused:
-        _unary(env, agent, "RequestJoin", _request("node-9"), join_pb2.JoinResponse)
+        join_call(env, agent, "RequestJoin", _request("node-9"), join_pb2.JoinResponse)
     assert refused.value.status == "RESOURCE_EXHAUSTED" and refused.value.reason == "join_rate_limited"
     assert refused.value.detail is not None and (refused.value.detail.retry_after_s or 0) > 0
     store = env.srv.app.store
@@ -159,7 +110,7 @@ def test_trailing_newlines_are_refused(
 ) -> None:
     """`^...$` once accepted "node-b\\n" (it got a token) and a replayed id plus "\\n"."""
     with pytest.raises(Refused) as refused:
-        _unary(env, agent, "RequestJoin", _request(**fields), join_pb2.JoinResponse)
+        join_call(env, agent, "RequestJoin", _request(**fields), join_pb2.JoinResponse)
     assert refused.value.status == "INVALID_ARGUMENT" and refused.value.reason == reason
     assert _files(env) == set()
 
@@ -167,7 +118,7 @@ def test_trailing_newlines_are_refused(
 def test_garbage_join_request_is_invalid_argument_with_an_audit_line(env: JoinEnv, agent: SimAgent) -> None:
     # A JSON report with an integer of 5,000 digits once escaped as INTERNAL with exception text.
     with pytest.raises(Refused) as refused:
-        _unary(
+        join_call(
             env,
             agent,
             "RequestJoin",
@@ -195,7 +146,7 @@ def test_a_join_cancelled_while_its_token_is_minted_leaves_no_valid_token(
     service.backend.create = slow_create
     before = len(env.srv.audit_lines())
     try:
-        _unary(env, agent, "RequestJoin", _request(), join_pb2.JoinResponse, cancel_after=0.4)
+        join_call(env, agent, "RequestJoin", _request(), join_pb2.JoinResponse, cancel_after=0.4)
         assert entered.wait(10)
         deadline = time.monotonic() + 20
         store = env.srv.app.store
@@ -280,7 +231,7 @@ def test_a_join_without_an_audit_trail_is_refused(env: JoinEnv, agent: SimAgent)
     audit._free_checked = 0.0
     try:
         with pytest.raises(Refused) as refused:
-            _unary(env, agent, "RequestJoin", _request(), join_pb2.JoinResponse)
+            join_call(env, agent, "RequestJoin", _request(), join_pb2.JoinResponse)
     finally:
         audit.min_free_bytes = 0
         audit._free_checked = 0.0

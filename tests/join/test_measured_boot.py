@@ -8,7 +8,6 @@ leaves nothing granted.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import secrets
@@ -20,14 +19,11 @@ from typing import Any
 
 import pytest
 
-from agent.refusals import DetailsCodec
-from agent.tls import SpiffeTLSContext
 from protocol import eventlog
 from protocol._gen.nodetrust.join.v1 import join_pb2
-from protocol.spiffe import server_id
-from protocol.status_details import ErrorDetail
 from server.store import Enrolment
 from tests.support.joinenv import CPU_POOL, JoinEnv, SimAgent, attest_sim, cpu_report, start_join_env
+from tests.support.joinrpc import Refused, join_call
 from tests.support.simtpm import SimulatedTpm
 
 BANK = "sha256"
@@ -140,47 +136,8 @@ def agent(env: JoinEnv, tmp_path: Path) -> SimAgent:
     return attest_sim(env.srv, SimulatedTpm.create(env.ek_ca), tmp_path / "agent")
 
 
-class Refused(Exception):
-    def __init__(self, status: str, message: str, detail: ErrorDetail | None) -> None:
-        super().__init__(f"{status}: {message}")
-        self.status, self.message, self.detail = status, message, detail
-
-    @property
-    def reason(self) -> str:
-        return self.detail.reason.slug if self.detail and self.detail.reason else ""
-
-
-def _call(env: JoinEnv, agent: SimAgent, method: str, request: Any, reply: Any) -> Any:
-    from grpclib.client import Channel
-    from grpclib.const import Cardinality
-    from grpclib.exceptions import GRPCError
-
-    async def call() -> Any:
-        tls = SpiffeTLSContext(
-            env.srv.bundle, [server_id("example.org")], cert_file=agent.cert, key_file=agent.key
-        )
-        ch = Channel("127.0.0.1", env.srv.app.ports.join, ssl=tls, status_details_codec=DetailsCodec())
-        try:
-            async with ch.request(
-                f"/nodetrust.join.v1.Join/{method}",
-                Cardinality.UNARY_UNARY,
-                type(request),
-                reply,
-                timeout=30,
-            ) as stream:
-                await stream.send_message(request, end=True)
-                return await stream.recv_message()
-        except GRPCError as exc:
-            detail = exc.details if isinstance(exc.details, ErrorDetail) else None
-            raise Refused(exc.status.name, exc.message or "", detail) from exc
-        finally:
-            ch.close()
-
-    return asyncio.run(call())
-
-
 def begin(env: JoinEnv, agent: SimAgent, pool: str = "measured") -> join_pb2.BeginJoinResponse:
-    answer: join_pb2.BeginJoinResponse = _call(
+    answer: join_pb2.BeginJoinResponse = join_call(
         env, agent, "BeginJoin", join_pb2.BeginJoinRequest(pool=pool), join_pb2.BeginJoinResponse
     )
     return answer
@@ -221,7 +178,7 @@ def request_join(
         quote_signature=quote[1],
         event_log=log,
     )
-    grant: join_pb2.JoinResponse = _call(env, agent, "RequestJoin", req, join_pb2.JoinResponse)
+    grant: join_pb2.JoinResponse = join_call(env, agent, "RequestJoin", req, join_pb2.JoinResponse)
     return grant
 
 
@@ -365,7 +322,7 @@ def test_no_quote_for_a_measured_pool_is_refused(env: JoinEnv, agent: SimAgent) 
         requested_at=int(time.time()),
     )
     with pytest.raises(Refused) as refused:
-        _call(env, agent, "RequestJoin", req, join_pb2.JoinResponse)
+        join_call(env, agent, "RequestJoin", req, join_pb2.JoinResponse)
     assert refused.value.status == "INVALID_ARGUMENT" and refused.value.reason == "quote_missing"
 
 
