@@ -150,12 +150,15 @@ class Unit:
 
 #: Packaged units go to /usr/lib/systemd/system (the vendor layer); /etc/systemd/system stays the
 #: administrator's, and ``systemctl enable`` links the unit from multi-user.target.wants there.
+#: The same table as agent.systemd.FILES (the builder does not import the agent; a test compares them).
 DEFAULT_UNITS = (
     Unit("agent/systemd/nodeagent.service", "/usr/lib/systemd/system/nodeagent.service", True),
     Unit(
         "agent/systemd/kubelet.service.d/10-nodeagent.conf",
         "/usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf",
     ),
+    Unit("agent/systemd/nodeagent-reattest.service", "/usr/lib/systemd/system/nodeagent-reattest.service"),
+    Unit("agent/systemd/nodeagent-reattest.timer", "/usr/lib/systemd/system/nodeagent-reattest.timer", True),
 )
 
 

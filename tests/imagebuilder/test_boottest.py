@@ -73,7 +73,7 @@ def test_expect_json_comes_from_the_manifest(manifest: dict[str, Any], payload_r
         "version": "0.1.0",
         "venv": "/opt/nodeagent/venv",
         "config_dir": "/etc/nodeagent",
-        "units": ["nodeagent.service"],
+        "units": ["nodeagent.service", "nodeagent-reattest.timer"],
         "service": "nodeagent.service",
     }
     assert expect["packages"][0] == {"name": "bash", "version": "5.2.15-2+b7", "architecture": "amd64"}

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from imagebuilder import schemacheck
-from imagebuilder.definition import MAX_DEFINITION_BYTES, load_definition, schema, validate
+from imagebuilder.definition import DEFAULT_UNITS, MAX_DEFINITION_BYTES, load_definition, schema, validate
 from imagebuilder.errors import DefinitionError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,8 +62,24 @@ def test_defaults(tmp_path: Path) -> None:
     assert [u.destination for u in defn.agent.units] == [
         "/usr/lib/systemd/system/nodeagent.service",
         "/usr/lib/systemd/system/kubelet.service.d/10-nodeagent.conf",
+        "/usr/lib/systemd/system/nodeagent-reattest.service",
+        "/usr/lib/systemd/system/nodeagent-reattest.timer",
+    ]
+    assert [Path(u.destination).name for u in defn.agent.units if u.enable] == [
+        "nodeagent.service",
+        "nodeagent-reattest.timer",
     ]
     assert defn.watchdog.boot > 0 and defn.watchdog.total > defn.watchdog.install
+
+
+def test_the_default_units_are_the_agents_own_table() -> None:
+    """The builder installs what agent.systemd says the agent ships, where it says (packaged units in
+    /usr/lib/systemd/system, never /etc: issue 12)."""
+    from agent.systemd import FILES
+
+    assert {u.source.removeprefix("agent/systemd/"): u.destination for u in DEFAULT_UNITS} == FILES
+    assert all(u.destination.startswith("/usr/lib/systemd/system/") for u in DEFAULT_UNITS)
+    assert all((REPO / u.source).is_file() for u in DEFAULT_UNITS)
 
 
 def _set(data: dict[str, Any], path: str, value: Any) -> None:
