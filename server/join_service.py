@@ -81,6 +81,13 @@ class NotAttestedError(ServerError):
     reason = "not_attested"
 
 
+class IdentityRefusedError(ServerError):
+    """The machine may not join as this name or pool (enrolment, name binding, changed measurements)."""
+
+    grpc_code = "PERMISSION_DENIED"
+    reason = "node_name_taken"
+
+
 class JoinRateLimitedError(ServerError):
     grpc_code = "RESOURCE_EXHAUSTED"
     reason = "join_rate_limited"
@@ -146,6 +153,7 @@ class JoinService:
             "BeginJoin": Method("begin_join", self.begin_join),
             "RequestJoin": Method("join", self.request_join),
             "ReportJoined": Method("joined", self.report_joined),
+            "Recheck": Method("recheck", self.recheck),
         }
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
@@ -205,20 +213,20 @@ class JoinService:
         """In a worker thread: the enrolment registry and the node-name binding (before any token)."""
         enrolment = self.store.enrolment(record.ek_hash)
         if enrolment is None and pool.require_enrolment:
-            raise ServerError(
+            raise IdentityRefusedError(
                 f"pool {pool.name} admits only enrolled machines and this EK ({record.ek_hash[:16]}...) is not: "
                 "enrol it with `nodeserver enrol add`",
                 reason="not_enrolled",
             )
         if enrolment is not None and (enrolment.node_name != node_name or enrolment.pool != pool.name):
-            raise ServerError(
+            raise IdentityRefusedError(
                 f"this machine is enrolled as {enrolment.node_name!r} in pool {enrolment.pool!r}, "
                 f"not as {node_name!r} in {pool.name!r}",
                 reason="enrolment_mismatch",
             )
         bound = self.store.node_name_binding(node_name)
         if bound is not None and bound.agent_id != record.spiffe_id:
-            raise ServerError(
+            raise IdentityRefusedError(
                 f"node name {node_name!r} belongs to another machine (EK {bound.ek_hash[:16]}..., since "
                 f"{time.strftime('%Y-%m-%d', time.gmtime(bound.bound_at))}); an operator can release it with "
                 "`nodeserver names release`",
@@ -226,7 +234,11 @@ class JoinService:
             )
 
     async def _measured_boot(
-        self, request: join_pb2.JoinRequest, record: AgentRecord, pool: Pool, call: Call
+        self,
+        request: join_pb2.JoinRequest | join_pb2.RecheckRequest,
+        record: AgentRecord,
+        pool: Pool,
+        call: Call,
     ) -> None:
         policy = pool.measured_boot
         if policy is None:
@@ -352,7 +364,7 @@ class JoinService:
                 # one machine's even when two replicas race).
                 bound = self.store.bind_node_name(node_name, agent_id, record.ek_hash, now)
                 if bound.agent_id != agent_id:
-                    raise ServerError(
+                    raise IdentityRefusedError(
                         f"node name {node_name!r} belongs to another machine", reason="node_name_taken"
                     )
                 token = self._mint(agent_id, pool, node_name, now)
@@ -492,6 +504,35 @@ class JoinService:
                 log.warning("could not revoke the undelivered token %s", token_id, exc_info=True)
 
         threading.Thread(target=work, name="nodeserver-revoke", daemon=True).start()
+
+    # -- Recheck --------------------------------------------------------------------
+    async def recheck(
+        self, request: join_pb2.RecheckRequest, context: Context, call: Call
+    ) -> join_pb2.RecheckResponse:
+        call.set(pool=request.pool, node_name=request.node_name)
+        record = await self._caller_record(context, call)
+        pool = self._pool(request.pool)
+        if pool.measured_boot is None:
+            call.commit("not_checked", "the pool does not check measured boot")
+            return join_pb2.RecheckResponse()
+        try:
+            await self._measured_boot(request, record, pool, call)
+        except measured_boot.BootNotAcceptedError as exc:
+            banned = pool.measured_boot.on_change == "ban"
+            if banned:
+                await self._in_thread(self.store.ban_agent, record.spiffe_id)
+                self._forget_recent(record.spiffe_id)
+            call.set(banned=banned)
+            raise IdentityRefusedError(
+                "this node's boot measurements changed since it joined"
+                + (" (it is now banned and its token revoked)" if banned else "")
+                + f": {exc.message}",
+                reason="measurement_changed",
+                detail=exc.detail,
+            ) from exc
+        release = str(call.fields.get("release", ""))
+        call.commit("rechecked", "boot measurements still match")
+        return join_pb2.RecheckResponse(release=release)
 
     # -- ReportJoined -----------------------------------------------------------------
     async def report_joined(

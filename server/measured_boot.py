@@ -65,6 +65,7 @@ class MeasuredBoot:
     unchecked_pcrs: tuple[int, ...]
     bank: str
     nonce_ttl_s: float
+    on_change: str = "refuse"  # what a Recheck that no longer matches does: refuse, or ban too
 
     @property
     def checked_pcrs(self) -> tuple[int, ...]:
@@ -112,6 +113,7 @@ def _build(values: dict[str, Any], ctx: Ctx) -> MeasuredBoot:
         tuple(sorted(values["unchecked_pcrs"])),
         values["bank"],
         values["nonce_ttl"].total_seconds(),
+        values["on_change"],
     )
 
 
@@ -124,6 +126,8 @@ MEASURED_BOOT = Table(
                 "PCRs quoted and replayed but not compared (firmware and platform: 0-3, 5-7)", (0, 1, 2, 3, 5, 6, 7)),
         Setting("bank", choice("sha256", "sha384"), "the PCR bank to quote (SHA-1-only TPMs are refused)", "sha256"),
         Setting("nonce_ttl", duration("10s", "10m"), "how long a BeginJoin nonce stays valid", dt.timedelta(minutes=2)),
+        Setting("on_change", choice("refuse", "ban"),
+                "a joined node whose re-check no longer matches: refused (and audited), or banned as well", "refuse"),
     ),
     flags=False,
 )  # fmt: skip

@@ -124,6 +124,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JoinEnv]:
         "cpu": {"profile": CPU_POOL},
         "measured": {"profile": CPU_POOL, "measured_boot": {"releases": [release]}},
         "other": {"profile": CPU_POOL, "measured_boot": {"releases": [other]}},
+        "strict": {"profile": CPU_POOL, "measured_boot": {"releases": [release], "on_change": "ban"}},
         "enrolled": {"profile": CPU_POOL, "require_enrolment": True},
     }
     e = start_join_env(base, pools=pools)
@@ -353,6 +354,7 @@ def test_a_second_machine_cannot_take_a_joined_node_name(
         join(env, thief, node_name=agent.node_name)
     line = [a for a in env.srv.audit_lines() if a["event"] == "join"][-1]
     assert line["reason"] == "node_name_taken" and line["spiffe_id"] == thief.spiffe_id
+    assert line["status"] == "PERMISSION_DENIED"
     assert _no_token(env, thief)
     # Released by an operator, the name can be taken by the new machine.
     store = env.srv.app.store
@@ -366,7 +368,8 @@ def test_a_pool_can_require_enrolment(env: JoinEnv, agent: SimAgent) -> None:
 
     with pytest.raises(AgentError):
         join(env, agent, pool="enrolled")
-    assert [a for a in env.srv.audit_lines() if a["event"] == "join"][-1]["reason"] == "not_enrolled"
+    line = [a for a in env.srv.audit_lines() if a["event"] == "join"][-1]
+    assert (line["reason"], line["status"]) == ("not_enrolled", "PERMISSION_DENIED")
     store = env.srv.app.store
     assert store is not None
     store.enrol(Enrolment(agent.sim.ek_hash, "rack7-node3", "enrolled", serial="SN123", enrolled_at=1))
@@ -374,3 +377,37 @@ def test_a_pool_can_require_enrolment(env: JoinEnv, agent: SimAgent) -> None:
         join(env, agent, pool="enrolled")  # enrolled under another name
     assert [a for a in env.srv.audit_lines() if a["event"] == "join"][-1]["reason"] == "enrolment_mismatch"
     assert join(env, agent, pool="enrolled", node_name="rack7-node3").token
+
+
+def recheck(env: JoinEnv, agent: SimAgent, pool: str, boot: Boot) -> join_pb2.RecheckResponse:
+    answer = begin(env, agent, pool)
+    log = boot.log()
+    quote = agent.sim.quote(answer.nonce, values_of(log, list(answer.pcrs)))
+    req = join_pb2.RecheckRequest(
+        pool=pool, node_name=agent.node_name, nonce=answer.nonce, quote=quote[0], quote_signature=quote[1],
+        event_log=log,
+    )  # fmt: skip
+    reply: join_pb2.RecheckResponse = join_call(env, agent, "Recheck", req, join_pb2.RecheckResponse)
+    return reply
+
+
+def test_a_joined_node_is_rechecked_and_a_changed_boot_refused(env: JoinEnv, agent: SimAgent) -> None:
+    assert request_join(env, agent).token
+    assert recheck(env, agent, "measured", image_boot()).release == "k8s-1.36.3-test"
+    with pytest.raises(Refused) as refused:
+        recheck(env, agent, "measured", image_boot(kernel=b"a kernel swapped after the join"))
+    assert (refused.value.status, refused.value.reason) == ("PERMISSION_DENIED", "measurement_changed")
+    line = env.srv.audit_lines()[-1]
+    assert line["event"] == "recheck" and line["reason"] == "measurement_changed" and line["banned"] is False
+    store = env.srv.app.store
+    assert store is not None and not store.is_banned(agent.spiffe_id)
+
+
+def test_a_pool_can_ban_a_node_whose_boot_changed(env: JoinEnv, agent: SimAgent) -> None:
+    assert request_join(env, agent, pool="strict").token
+    with pytest.raises(Refused) as refused:
+        recheck(env, agent, "strict", image_boot(cmdline=CMDLINE + " nokaslr"))
+    assert refused.value.reason == "measurement_changed" and "banned" in refused.value.message
+    store = env.srv.app.store
+    assert store is not None and store.is_banned(agent.spiffe_id)
+    assert _no_token(env, agent)

@@ -304,3 +304,57 @@ class JoinedResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JoinedResponse: _TypeAlias = JoinedResponse  # noqa: Y015
+
+@_typing.final
+class RecheckRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    POOL_FIELD_NUMBER: _builtins.int
+    NODE_NAME_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    QUOTE_FIELD_NUMBER: _builtins.int
+    QUOTE_SIGNATURE_FIELD_NUMBER: _builtins.int
+    EVENT_LOG_FIELD_NUMBER: _builtins.int
+    pool: _builtins.str
+    node_name: _builtins.str
+    nonce: _builtins.bytes
+    quote: _builtins.bytes
+    quote_signature: _builtins.bytes
+    event_log: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        pool: _builtins.str = ...,
+        node_name: _builtins.str = ...,
+        nonce: _builtins.bytes = ...,
+        quote: _builtins.bytes = ...,
+        quote_signature: _builtins.bytes = ...,
+        event_log: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event_log", b"event_log", "node_name", b"node_name", "nonce", b"nonce", "pool", b"pool", "quote", b"quote", "quote_signature", b"quote_signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecheckRequest: _TypeAlias = RecheckRequest  # noqa: Y015
+
+@_typing.final
+class RecheckResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASE_FIELD_NUMBER: _builtins.int
+    release: _builtins.str
+    """The release whose boot measurements the node's matched."""
+    def __init__(
+        self,
+        *,
+        release: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["release", b"release"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RecheckResponse: _TypeAlias = RecheckResponse  # noqa: Y015

@@ -54,6 +54,11 @@ class JoinStub:
                 request_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedRequest.SerializeToString,
                 response_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedResponse.FromString,
                 _registered_method=True)
+        self.Recheck = channel.unary_unary(
+                '/nodetrust.join.v1.Join/Recheck',
+                request_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.RecheckRequest.SerializeToString,
+                response_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.RecheckResponse.FromString,
+                _registered_method=True)
 
 
 class JoinServicer:
@@ -90,6 +95,17 @@ class JoinServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Recheck(self, request, context):
+        """A joined node proves again what it booted (at SVID renewal, after its
+        re-attestation): a quote over a BeginJoin nonce and the event log, as in
+        RequestJoin. A node whose boot no longer matches its pool's releases is
+        refused (boot_not_accepted), audited and counted; with the pool's
+        measured_boot.on_change: ban it is also banned and its token revoked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JoinServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +123,11 @@ def add_JoinServicer_to_server(servicer, server):
                     servicer.ReportJoined,
                     request_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedRequest.FromString,
                     response_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedResponse.SerializeToString,
+            ),
+            'Recheck': grpc.unary_unary_rpc_method_handler(
+                    servicer.Recheck,
+                    request_deserializer=nodetrust_dot_join_dot_v1_dot_join__pb2.RecheckRequest.FromString,
+                    response_serializer=nodetrust_dot_join_dot_v1_dot_join__pb2.RecheckResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -195,6 +216,33 @@ class Join:
             '/nodetrust.join.v1.Join/ReportJoined',
             nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedRequest.SerializeToString,
             nodetrust_dot_join_dot_v1_dot_join__pb2.JoinedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Recheck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodetrust.join.v1.Join/Recheck',
+            nodetrust_dot_join_dot_v1_dot_join__pb2.RecheckRequest.SerializeToString,
+            nodetrust_dot_join_dot_v1_dot_join__pb2.RecheckResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,13 @@ class JoinStub:
     backend), so a "one-time" token cannot register a second node for the
     rest of its TTL. Only the agent the token was issued to may report it.
     """
+    Recheck: _grpc.UnaryUnaryMultiCallable[_join_pb2.RecheckRequest, _join_pb2.RecheckResponse]
+    """A joined node proves again what it booted (at SVID renewal, after its
+    re-attestation): a quote over a BeginJoin nonce and the event log, as in
+    RequestJoin. A node whose boot no longer matches its pool's releases is
+    refused (boot_not_accepted), audited and counted; with the pool's
+    measured_boot.on_change: ban it is also banned and its token revoked.
+    """
 
 @_typing.type_check_only
 class JoinAsyncStub(JoinStub):
@@ -72,6 +79,13 @@ class JoinAsyncStub(JoinStub):
     given. The broker revokes that token at once (deletes it from the
     backend), so a "one-time" token cannot register a second node for the
     rest of its TTL. Only the agent the token was issued to may report it.
+    """
+    Recheck: _aio.UnaryUnaryMultiCallable[_join_pb2.RecheckRequest, _join_pb2.RecheckResponse]  # type: ignore[assignment]
+    """A joined node proves again what it booted (at SVID renewal, after its
+    re-attestation): a quote over a BeginJoin nonce and the event log, as in
+    RequestJoin. A node whose boot no longer matches its pool's releases is
+    refused (boot_not_accepted), audited and counted; with the pool's
+    measured_boot.on_change: ban it is also banned and its token revoked.
     """
 
 class JoinServicer(metaclass=_abc_1.ABCMeta):
@@ -110,6 +124,19 @@ class JoinServicer(metaclass=_abc_1.ABCMeta):
         given. The broker revokes that token at once (deletes it from the
         backend), so a "one-time" token cannot register a second node for the
         rest of its TTL. Only the agent the token was issued to may report it.
+        """
+
+    @_abc_1.abstractmethod
+    def Recheck(
+        self,
+        request: _join_pb2.RecheckRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_join_pb2.RecheckResponse, _abc.Awaitable[_join_pb2.RecheckResponse]]:
+        """A joined node proves again what it booted (at SVID renewal, after its
+        re-attestation): a quote over a BeginJoin nonce and the event log, as in
+        RequestJoin. A node whose boot no longer matches its pool's releases is
+        refused (boot_not_accepted), audited and counted; with the pool's
+        measured_boot.on_change: ban it is also banned and its token revoked.
         """
 
 def add_JoinServicer_to_server(servicer: JoinServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
