@@ -122,7 +122,7 @@ def _params(args: argparse.Namespace) -> Any:
         raise ImagerError(Reason.usage, f"{args.cmdline}: {exc.strerror}") from None
     params = from_cmdline(data)
     changes: dict[str, Any] = {}
-    for name in ("release", "key", "image", "format", "role", "events", "reboot"):
+    for name in ("release", "key", "image", "format", "role", "events", "reboot", "firmware"):
         value = getattr(args, name, None)
         if value:
             changes[name] = value

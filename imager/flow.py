@@ -50,6 +50,7 @@ LOADERS = {
     "": "\\EFI\\BOOT\\BOOTX64.EFI",
 }
 SCRATCH = Path("/run/nodeimager")
+BIOS_BOOT_TYPE = uuid.UUID("21686148-6449-6e6f-744e-656564454649")
 
 
 @dataclass
@@ -96,6 +97,8 @@ class Imaging:
         self.events.emit("started", params={"release": self.params.release, "format": self.params.format,
                                             "role": self.params.role, "hints": self.params.hints})  # fmt: skip
         try:
+            if self.params.firmware == "uefi":
+                self.firmware.boot_order()  # no efivarfs: refuse now, before anything is fetched or written
             source = open_source(self.fetcher, self.params.release, keys_dir=self.keys_dir,
                                  key_pin=self.params.key, image_pin=self.params.image)  # fmt: skip
             view = source.view
@@ -207,6 +210,17 @@ class Imaging:
                 self.params.role,
             )
         post.check_unique(disk, wanted, self.inventory.disks())
+        if self.params.firmware == "bios":
+            if not any(e.type_guid == BIOS_BOOT_TYPE for e in table.entries):
+                raise ImagerError(
+                    Reason.boot_entry,
+                    "the server booted in legacy BIOS mode, and the image has no BIOS boot partition (it is UEFI-only)",
+                    hint="switch the server's firmware to UEFI boot (docs/bare-metal.md, 'Legacy BIOS')",
+                )
+            self.events.emit(
+                "boot-entry", firmware="bios", note="no UEFI entry: the BIOS boot order must list the disk"
+            )
+            return
         loader = LOADERS.get(source.view.architecture, LOADERS[""])
         found = run(["mdir", "-b", "-i", f"{disk.devnode}@@{esp.offset}", "::" + loader.replace("\\", "/")],
                     reason=Reason.boot_entry, check=False, timeout=60)  # fmt: skip

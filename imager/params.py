@@ -13,6 +13,9 @@ kernel parameter                  meaning
                                   ``by_path``, ``rotational`` (:mod:`imager.hints`)
 ``nodeimager.events=URL``         where to POST events when the release names no URL
 ``nodeimager.reboot=MODE``        at the end: ``reboot`` (default), ``poweroff`` or ``no``
+``nodeimager.firmware=KIND``      ``uefi`` (default) or ``bios``: how the server booted (the iPXE script
+                                  passes ``${platform}``); ``bios`` sets no UEFI entry and needs an
+                                  image with a BIOS boot partition
 ``nodeagent.<key>=VALUE``         the node agent's settings for this machine, carried into its first boot
 ================================  ==========================================================================
 
@@ -34,7 +37,8 @@ PREFIX = "nodeimager."
 AGENT_PREFIX = "nodeagent."
 FORMATS = ("qcow2", "raw")
 REBOOT_MODES = ("reboot", "poweroff", "no")
-SCALAR_KEYS = ("release", "key", "image", "format", "role", "events", "reboot")
+SCALAR_KEYS = ("release", "key", "image", "format", "role", "events", "reboot", "firmware")
+FIRMWARES = ("uefi", "bios")
 _PIN = re.compile(r"(sha256:)?[0-9a-fA-F]{64}")
 _AGENT_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
 
@@ -48,6 +52,7 @@ class Params:
     role: str = "worker"
     events: str = ""
     reboot: str = "reboot"
+    firmware: str = "uefi"
     hints: dict[str, str] = field(default_factory=dict)
     agent: dict[str, str] = field(default_factory=dict)
 
@@ -69,6 +74,8 @@ def check(params: Params) -> Params:
         raise _usage(f"nodeimager.format={params.format!r} is not one of {', '.join(FORMATS)}")
     if params.role not in ROLES:
         raise _usage(f"nodeimager.role={params.role!r} is not one of {', '.join(ROLES)}")
+    if params.firmware not in FIRMWARES:
+        raise _usage(f"nodeimager.firmware={params.firmware!r} is not one of {', '.join(FIRMWARES)}")
     if params.reboot not in REBOOT_MODES:
         raise _usage(f"nodeimager.reboot={params.reboot!r} is not one of {', '.join(REBOOT_MODES)}")
     return params
