@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 BEGIN_METHOD = "/nodetrust.join.v1.Join/BeginJoin"
 JOIN_METHOD = "/nodetrust.join.v1.Join/RequestJoin"
 REPORT_METHOD = "/nodetrust.join.v1.Join/ReportJoined"
-# Not served by this version of nodeserver yet: the re-check of a joined node (docs/attestation.md).
 RECHECK_METHOD = "/nodetrust.join.v1.Join/Recheck"
 _TOKEN_ID_RE = re.compile(r"[a-z0-9]{6}")
 
@@ -194,21 +193,25 @@ async def recheck_async(
     pool: str,
     node_name: str,
     evidence: QuoteEvidence,
-    report: bytes = b"",
     timeout: float = 60.0,
 ) -> str:
-    """Join.Recheck: a joined node's fresh quote and event log; the server's verdict ("" if it gave none).
+    """Join.Recheck: a joined node's fresh quote and event log; the release the server matched them with.
 
-    The request is a JoinRequest (pool, node name, request id and time, nonce, quote, signature,
-    log); the server mints nothing for it. Refusals (``measurement_changed``, ``boot_not_accepted``,
-    the quote's own reasons) come back like RequestJoin's.
+    Refusals (``boot_not_accepted``, the quote's own reasons) come back like RequestJoin's.
     """
     tls = _mtls(bundle_pem, trust_domain, svid_cert, svid_key)
-    request = _join_request(pool, node_name, report, evidence)
-    reply = await _unary(
-        address, tls, Rpc.RECHECK, request, join_pb2.JoinResponse, method=RECHECK_METHOD, timeout=timeout
+    request = join_pb2.RecheckRequest(
+        pool=pool,
+        node_name=node_name,
+        nonce=evidence.nonce,
+        quote=evidence.quote,
+        quote_signature=evidence.signature,
+        event_log=evidence.event_log,
     )
-    return str(reply.verdict) if reply is not None else ""
+    reply = await _unary(
+        address, tls, Rpc.RECHECK, request, join_pb2.RecheckResponse, method=RECHECK_METHOD, timeout=timeout
+    )
+    return str(reply.release) if reply is not None else ""
 
 
 def _mtls(bundle_pem: bytes, trust_domain: str, svid_cert: Path, svid_key: Path) -> SpiffeTLSContext:

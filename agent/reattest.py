@@ -9,9 +9,9 @@ few minutes instead (``agent/systemd/``). Each run:
    SVID: SPIRE's re-attestation on renewal);
 3. asks the broker (``Join.BeginJoin``) whether the pool checks measured boot; if it does, quotes
    the PCRs it names over its nonce with the new AK, and sends the quote and the event log
-   (``Join.Recheck``). The server compares them with the releases the pool accepts and with what
-   the node was admitted with: a node whose measurements changed is refused
-   (``measurement_changed``, ``boot_not_accepted``), audited and counted there.
+   (``Join.Recheck``). The server compares them with the releases the pool accepts: a node whose
+   measurements changed is refused (``boot_not_accepted``), audited and counted there, and banned
+   when the pool's ``measured_boot.on_change`` says so.
 
 A server that does not serve ``Join.Recheck`` yet answers UNIMPLEMENTED: the node has then
 re-attested only, which the outcome says.
@@ -42,7 +42,7 @@ class Outcome:
     detail: str
     spiffe_id: str = ""
     svid_expires_at: int = 0
-    release: str = ""
+    release: str = ""  # the release the server matched the boot with
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -50,7 +50,7 @@ class Outcome:
             "detail": self.detail,
             "spiffe_id": self.spiffe_id,
             "svid_expires_at": self.svid_expires_at,
-            "verdict": self.release,
+            "release": self.release,
         }
 
 
@@ -127,7 +127,7 @@ def reattest(config: AgentConfig, *, force: bool = False, clock: float | None = 
                        svid.spiffe_id, svid.expires_at)  # fmt: skip
     evidence = make_evidence(config.tcti, svids.load_ak(), asked, Path(config.event_log))
     try:
-        verdict = asyncio.run(
+        release = asyncio.run(
             recheck_async(
                 config.join_address,
                 pool=config.pool,
@@ -145,5 +145,9 @@ def reattest(config: AgentConfig, *, force: bool = False, clock: float | None = 
                            done.spiffe_id, done.svid_expires_at)  # fmt: skip
         raise
     return Outcome(
-        "rechecked", "re-attested and the boot re-checked", done.spiffe_id, done.svid_expires_at, verdict
+        "rechecked",
+        f"re-attested; the boot still matches release {release}",
+        done.spiffe_id,
+        done.svid_expires_at,
+        release,
     )

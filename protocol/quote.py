@@ -7,8 +7,12 @@ A quote is a ``TPMS_ATTEST`` of type ``TPM_ST_ATTEST_QUOTE`` and its ``TPMT_SIGN
 1. the signature over the raw ``TPMS_ATTEST`` with the AK's own scheme and hash (the AK the
    server credential-activated at attestation: only then does ``TPM_GENERATED_VALUE`` prove the
    structure came from that TPM);
-2. ``magic``, ``type``, ``extraData`` == the server's nonce (constant time), ``qualifiedSigner`` ==
-   the AK's name;
+2. ``magic``, ``type``, ``extraData`` == the server's nonce (constant time); ``qualifiedSigner`` is
+   the AK's *qualified* name (TPM 2.0 Part 1, 16: nameAlg || H(QN(parent) || Name), the parent here
+   being the SRK under the owner hierarchy), which the AK's name alone cannot give: it is compared
+   with ``ak_qualified_name`` when the caller recorded one (the ``qualifiedSigner`` of the AK's own
+   TPM2_CertifyCreation at attestation, signed by that AK), else only its name algorithm is checked
+   (the signature already proves which key signed);
 3. the selection covers exactly the PCRs whose values are given, in one bank, and ``pcrDigest`` ==
    H_ak(values in ascending PCR order).
 
@@ -109,6 +113,7 @@ def verify_quote(
     nonce: bytes,
     pcr_values: dict[int, bytes],
     bank: str,
+    ak_qualified_name: bytes | None = None,
 ) -> VerifiedQuote:
     """Verify a quote over ``pcr_values`` (index -> value of ``bank``), signed by ``ak_public`` over ``nonce``."""
     if len(quote) > MAX_QUOTE_BYTES or len(signature) > MAX_SIGNATURE_BYTES:
@@ -133,8 +138,12 @@ def verify_quote(
         raise QuoteError("the quote is not a TPM-generated quote structure", "quote_malformed")
     if not hmac.compare_digest(attest.extra_data, nonce):
         raise QuoteError("the quote is not over this request's nonce (stale or replayed)", "quote_nonce")
-    if not hmac.compare_digest(attest.qualified_signer, pub.name()):
-        raise QuoteError("the quote names another signer than the attested AK", "quote_signature")
+    name = pub.name()
+    if ak_qualified_name is not None:
+        if not hmac.compare_digest(attest.qualified_signer, ak_qualified_name):
+            raise QuoteError("the quote names another signer than the attested AK", "quote_signature")
+    elif len(attest.qualified_signer) != len(name) or attest.qualified_signer[:2] != name[:2]:
+        raise QuoteError("the quote's signer is not named with the AK's name algorithm", "quote_signature")
     if len(attest.pcr_select) != 1:
         raise QuoteError(
             f"the quote selects {len(attest.pcr_select)} banks; exactly one is expected", "quote_selection"
