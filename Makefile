@@ -4,7 +4,7 @@ VENV  := .venv
 PY    := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: deps demo demo-host test unit vm-test lint proto proto-check settings settings-check bench bench-build clean help
+.PHONY: deps peers cluster demo demo-host test unit vm-test lint proto proto-check settings settings-check bench bench-build clean help
 
 help:
 	@echo "make demo     build the node image, boot it with a TPM, attest, check and join (under 7 min here)"
@@ -16,9 +16,17 @@ help:
 	@echo "make settings regenerate docs/settings.md and its JSON Schemas from the settings tables"
 	@echo "make bench    run the benchmarks in bench/ and print their figures"
 	@echo "make bench-build  full vs incremental image build of the fixture (VMs, root, libvirtd; minutes)"
+	@echo "make peers    build the pinned upstream test peers (interop/) into .cache/peers; a no-op when built"
+	@echo "make cluster  start a real Kubernetes control plane on this machine and print its kubeconfig"
 
 deps:
 	@scripts/ensure-deps.sh
+
+peers:
+	@interop/build.sh
+
+cluster: deps peers
+	$(PY) scripts/cluster.py $(CLUSTER_ARGS)
 
 lint: deps
 	$(VENV)/bin/ruff check .
@@ -37,16 +45,16 @@ settings: deps
 settings-check: deps
 	$(PY) scripts/gensettings.py --check
 
-test: deps
+test: deps peers
 	scripts/run-tests.sh all
 
 unit: deps
 	scripts/run-tests.sh fast
 
-vm-test: deps
+vm-test: deps peers
 	scripts/run-tests.sh vm
 
-demo: deps
+demo: deps peers
 	$(PY) scripts/demo.py $(DEMO_ARGS)
 
 demo-host: deps

@@ -9,6 +9,12 @@ attest-and-join, and the ratio to an attest-only storm measured in the same run.
 
 Target on the 2-core development machine: 2,000 nodes attest and join in under
 60 s with SQLite.
+
+Then, in the same run, the token backends on their own: ``--tokens`` bootstrap tokens minted and
+revoked (``create`` then ``delete``), ``--token-concurrency`` at a time, through the ``file`` backend
+and through the ``kubernetes`` backend against a real kube-apiserver v1.36.3 (the control plane of
+tests/support/control_plane.py, built by ``make peers``; the identity and RBAC of
+docs/join-backends.md). Prints tokens/s and p50/p99 of each call, and the ratio. ``--tokens 0`` skips it.
 """
 
 from __future__ import annotations
@@ -117,6 +123,15 @@ def main() -> int:
         "--store", default="", help="store DSN (default: SQLite); postgresql://... for PostgreSQL"
     )
     parser.add_argument(
+        "--tokens",
+        type=int,
+        default=500,
+        help="tokens minted and revoked per backend (default 500; 0: skip)",
+    )
+    parser.add_argument(
+        "--token-concurrency", type=int, default=8, help="backend calls in flight (default 8)"
+    )
+    parser.add_argument(
         "--postgres",
         action="store_true",
         help="start a throw-away PostgreSQL (Debian packages) and use it as the store",
@@ -202,7 +217,92 @@ def _run(args: argparse.Namespace) -> int:
     for key in ("attest_only", "attest_and_join"):
         if figures[key]["errors"]:
             print(f"  {key} errors: {figures[key]['first_errors']}")
-    return 0 if not (a["errors"] or j["errors"]) else 1
+    failed = bool(a["errors"] or j["errors"])
+    if args.tokens > 0:
+        failed = _token_backends(args.tokens, args.token_concurrency) or failed
+    return 1 if failed else 0
+
+
+def _mint_and_revoke(backend: Any, n: int, concurrency: int) -> dict[str, Any]:
+    """``n`` tokens through ``backend.create`` then ``backend.delete``, ``concurrency`` at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from server.tokens.token import new_token
+
+    tokens = [
+        new_token(ttl_s=900, now=int(time.time()), extra_groups=("system:bootstrappers:nodetrust:bench",))
+        for _ in range(n)
+    ]
+
+    def one(token: Any) -> tuple[float, float, str]:
+        t0 = time.monotonic()
+        try:
+            backend.create(token)
+            t1 = time.monotonic()
+            backend.delete(token.token_id, "")
+        except Exception as exc:  # every failure is counted and reported
+            return 0.0, 0.0, f"{type(exc).__name__}: {exc}"
+        return t1 - t0, time.monotonic() - t1, "ok"
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(one, tokens))
+    elapsed = time.monotonic() - start
+    ok = [(c, d) for c, d, status in results if status == "ok"]
+    creates, deletes = sorted(c for c, _ in ok), sorted(d for _, d in ok)
+
+    def pct(values: list[float], q: float) -> float | None:
+        return round(values[min(len(values) - 1, int(len(values) * q))], 4) if values else None
+
+    return {
+        "per_s": round(len(ok) / elapsed, 1),
+        "wall_s": round(elapsed, 1),
+        "create_p50_s": pct(creates, 0.5),
+        "create_p99_s": pct(creates, 0.99),
+        "delete_p50_s": pct(deletes, 0.5),
+        "delete_p99_s": pct(deletes, 0.99),
+        "errors": sorted({status for _, _, status in results if status != "ok"})[:3],
+        "error_count": sum(1 for _, _, status in results if status != "ok"),
+    }
+
+
+def _token_backends(n: int, concurrency: int) -> bool:
+    """File and kubernetes backends, one after the other in this run; True if any call failed."""
+    import shutil
+
+    from server.tokens.filebackend import FileBackend
+    from server.tokens.kubernetes import KubernetesBackend
+    from tests.support.control_plane import ControlPlane
+    from tests.support.kube_identities import service_account
+
+    work = Path(tempfile.mkdtemp(prefix="nodetrust-bench-tokens-"))
+    figures: dict[str, dict[str, Any]] = {}
+    try:
+        figures["file"] = _mint_and_revoke(FileBackend(work / "tokens"), n, concurrency)
+        with ControlPlane.start(work / "control-plane") as cp:
+            print(
+                f"bench/join: real control plane (kube-apiserver {cp.endpoint}) up in {cp.started_in_s:.1f} s"
+            )
+            who = service_account(cp, "nodeserver", work)
+            backend = KubernetesBackend.from_kubeconfig(who.kubeconfig, timeout=30)
+            backend.check()
+            figures["kubernetes"] = _mint_and_revoke(backend, n, concurrency)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"bench/join: {n} tokens minted and revoked per backend, {concurrency} calls in flight")
+    for name, f in figures.items():
+        print(
+            f"  {name:<10}  {f['per_s']} tokens/s (create+delete), all done in {f['wall_s']} s; "
+            f"create p50 {f['create_p50_s']} s, p99 {f['create_p99_s']} s; "
+            f"delete p50 {f['delete_p50_s']} s, p99 {f['delete_p99_s']} s; errors {f['error_count']}"
+        )
+        if f["errors"]:
+            print(f"    first errors: {f['errors']}")
+    file_rate, kube_rate = figures["file"]["per_s"], figures["kubernetes"]["per_s"]
+    print(
+        f"  kubernetes / file  {round(kube_rate / file_rate, 3) if file_rate else 'n/a'} (throughput ratio)"
+    )
+    return any(f["error_count"] for f in figures.values())
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The test entry point behind `make test` (all), `make unit` (fast) and `make vm-test` (vm).
+# The test entry point behind `make test` (all), `make unit` (fast), `make vm-test` (vm); `peers` runs tier 6.
 # Starts the services the tiers need and stops what it started, even on failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,17 @@ if [ "$what" = all ] || [ "$what" = vm ]; then
 fi
 if [ "$what" = all ] || [ "$what" = fast ]; then
   echo "== tests (unit, swtpm, libvirt test driver, store)"
-  python -m pytest tests -q -m "not vm" || status=$?
+  python -m pytest tests -q -m "not vm and not peers" || status=$?
+fi
+if [ "$what" = all ] || [ "$what" = peers ]; then
+  echo "== peers (tier 6: a real control plane, kubeadm and kubelet from interop/)"
+  interop/build.sh
+  rc=0
+  python -m pytest tests -q -p no:cacheprovider -m peers --durations=0 || rc=$?
+  if [ "$rc" -eq 5 ]; then
+    echo "peers: no peer tests were collected (exit 5): that is a failure, not a skip" >&2
+  fi
+  [ "$rc" -eq 0 ] || status=$rc
 fi
 if [ "$what" = all ] || [ "$what" = vm ]; then
   echo "== vm-tests"

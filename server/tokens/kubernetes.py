@@ -238,6 +238,13 @@ class KubernetesBackend:
                 f"401 Unauthorized: the API server {self.access.server} did not accept the credentials of {user}; "
                 "the token or client certificate is wrong, expired or from another cluster"
             )
+        elif status == 403 and not _names_a_resource(payload):
+            # RBAC refused a path that is no API resource (details has no kind): the URL is wrong, not the Role.
+            message = (
+                f"403 Forbidden while trying to {action}: the API server refused the path itself, so "
+                f"clusters[].cluster.server in {self.access.source} ({self.access.server}) is not the API "
+                f"server's URL, or its path prefix is wrong; the API server said: {said}"
+            )
         elif status == 403:
             message = (
                 "403 Forbidden: the nodeserver identity needs create/delete on secrets in kube-system "
@@ -339,6 +346,12 @@ class KubernetesBackend:
         if status not in (200, 202):
             self._fail(status, payload, raw, action=f"delete Secret {NAMESPACE}/{name}", token=None)
         log.info("deleted bootstrap token %s (Secret %s/%s)", token_id, NAMESPACE, name)
+
+
+def _names_a_resource(payload: Any) -> bool:
+    """A ``v1/Status`` about an API resource: its ``details.kind`` is set (``secrets``); a refused path has none."""
+    details = payload.get("details") if isinstance(payload, dict) else None
+    return isinstance(details, dict) and isinstance(details.get("kind"), str) and bool(details["kind"])
 
 
 def _t(token: BootstrapToken | None) -> tuple[BootstrapToken, ...]:

@@ -12,6 +12,7 @@ import pytest
 from server.errors import ConfigError
 from server.tokens.token import (
     EXTRA_GROUP_RE,
+    KUBEADM_NODE_GROUP,
     TOKEN_RE,
     BootstrapToken,
     new_token,
@@ -29,8 +30,17 @@ def test_new_token_has_the_kubeadm_shape_and_ttl() -> None:
     assert TOKEN_RE.match(token.value)
     assert token.value == f"{token.token_id}.{token.secret}"
     assert token.expires_at == 1_000_900
-    assert token.extra_groups == ()
+    assert token.extra_groups == (KUBEADM_NODE_GROUP,)  # always: kubeadm's RBAC is bound to it
     assert token.secret_sha256 == hashlib.sha256(token.secret.encode()).hexdigest()
+
+
+def test_a_pool_group_is_added_to_kubeadms_group_never_instead_of_it() -> None:
+    """docs/join.md's pool (extra_groups: [its own group]) once minted tokens a kubeadm cluster refused."""
+    pool = "system:bootstrappers:nodetrust:hgx-h200"
+    assert new_token(ttl_s=60, now=1, extra_groups=(pool,)).extra_groups == (KUBEADM_NODE_GROUP, pool)
+    both = new_token(ttl_s=60, now=1, extra_groups=(pool, KUBEADM_NODE_GROUP))
+    assert both.extra_groups == (KUBEADM_NODE_GROUP, pool)
+    assert secret_manifest(both)["stringData"]["auth-extra-groups"] == f"{KUBEADM_NODE_GROUP},{pool}"
 
 
 def test_new_tokens_are_random() -> None:
