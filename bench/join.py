@@ -278,7 +278,9 @@ def _token_backends(n: int, concurrency: int) -> bool:
     work = Path(tempfile.mkdtemp(prefix="nodetrust-bench-tokens-"))
     figures: dict[str, dict[str, Any]] = {}
     try:
-        figures["file"] = _mint_and_revoke(FileBackend(work / "tokens"), n, concurrency)
+        files = FileBackend(work / "tokens")
+        files.check()  # creates the 0700 folder, as nodeserver run does at start
+        figures["file"] = _mint_and_revoke(files, n, concurrency)
         with ControlPlane.start(work / "control-plane") as cp:
             print(
                 f"bench/join: real control plane (kube-apiserver {cp.endpoint}) up in {cp.started_in_s:.1f} s"
