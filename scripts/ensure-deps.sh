@@ -20,6 +20,8 @@ APT_PACKAGES=(
   util-linux dpkg-dev shellcheck gnupg gpgv
   # PostgreSQL for the HA store tests
   postgresql
+  # Authenticode oracles for the boot reference values (imagebuilder.pehash tests)
+  osslsigncode pesign
 )
 
 missing=()
