@@ -83,8 +83,8 @@ def test_the_digests_are_compared_where_sha256sum_exists() -> None:
 
 def test_the_kernel_line_carries_exactly_the_parameters() -> None:
     (line,) = [x for x in _script().splitlines() if x.startswith("kernel ")]
-    assert line.startswith("kernel --name nt_kernel ${nt_url}imager.vmlinuz ")
-    args = line.split(" ", 4)[4].removesuffix(" || goto nt_fetch_failed").encode()
+    assert line.startswith("kernel --name nt_kernel ${nt_url}imager.vmlinuz initrd=nt_initrd ")
+    args = line.split(" ", 5)[5].removesuffix(" || goto nt_fetch_failed").encode()
     parsed = [(p.decode(), (v or b"").decode()) for p, v in kernel_params(args)]
     assert parsed == [*PARAMS, ("nodeimager.firmware", "${nt_firmware}")]
 
