@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,7 @@ def _boot(work: Path, srv: ReleaseServer, *, until: str, timeout: float = 420) -
 
 
 @pytest.fixture
-def release(tmp_path: Path) -> Path:
+def release(tmp_path: Path) -> Iterator[Path]:
     work = Path(os.environ.get("TMPDIR", "/var/tmp")) / f"ipxe-rom-{os.getpid()}-{tmp_path.name}"
     work.mkdir(parents=True)
     folder = work / "srv" / "r"
