@@ -68,13 +68,34 @@ def _digest_refusal(name: str, signed: str, actual: str) -> ImagerError:
     )
 
 
-class _Writer(threading.Thread):
-    """Writes queued buffers to the target; returns each buffer to the free pool."""
+class _Pool:
+    """Aligned buffers; a buffer handed to the hasher and the writer comes back when both are done."""
 
-    def __init__(self, target: Target, free: queue.Queue[mmap.mmap]) -> None:
-        super().__init__(name="imager-writer", daemon=True)
-        self.target = target
-        self.free = free
+    def __init__(self, count: int, size: int) -> None:
+        self.free: queue.Queue[mmap.mmap] = queue.Queue()
+        self._users: dict[int, int] = {}
+        self._lock = threading.Lock()
+        for _ in range(count):
+            self.free.put(aligned_buffer(size))
+
+    def lend(self, buf: mmap.mmap, users: int) -> None:
+        with self._lock:
+            self._users[id(buf)] = users
+
+    def release(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            self._users[id(buf)] -= 1
+            done = self._users[id(buf)] == 0
+        if done:
+            self.free.put(buf)
+
+
+class _Stage(threading.Thread):
+    """One stage of the pipeline (hash or write) in its own thread: both read a buffer at once."""
+
+    def __init__(self, name: str, pool: _Pool) -> None:
+        super().__init__(name=f"imager-{name}", daemon=True)
+        self.pool = pool
         self.work: queue.Queue[tuple[mmap.mmap, int, int, int] | None] = queue.Queue()
         self.error: BaseException | None = None
 
@@ -86,13 +107,31 @@ class _Writer(threading.Thread):
             buf, start, length, offset = item
             try:
                 if self.error is None:
-                    self._write(memoryview(buf)[start:length], offset)
+                    self.handle(memoryview(buf)[start:length], offset)
             except OSError as exc:
                 self.error = exc
             finally:
-                self.free.put(buf)
+                self.pool.release(buf)
 
-    def _write(self, view: memoryview, offset: int) -> None:
+    def handle(self, view: memoryview, offset: int) -> None:
+        raise NotImplementedError
+
+
+class _Hasher(_Stage):
+    def __init__(self, pool: _Pool) -> None:
+        super().__init__("hasher", pool)
+        self.hash = hashlib.sha256()
+
+    def handle(self, view: memoryview, offset: int) -> None:
+        self.hash.update(view)  # hashlib releases the GIL for large buffers: this runs beside the writer
+
+
+class _Writer(_Stage):
+    def __init__(self, pool: _Pool, target: Target) -> None:
+        super().__init__("writer", pool)
+        self.target = target
+
+    def handle(self, view: memoryview, offset: int) -> None:
         if not self.target.direct or (len(view) % ALIGN == 0 and offset % ALIGN == 0):
             pwrite_all(self.target.fd, view, offset)
             return
@@ -110,17 +149,17 @@ class _Writer(threading.Thread):
 
 
 class DiskSink:
-    """The raw stream's sink: hashes every byte, writes all but the head, keeps the head in memory."""
+    """The raw stream's sink: the network reads into a buffer; a hasher thread and a writer thread
+    then work on it at the same time (the writer skips the head, which is kept in memory)."""
 
     def __init__(self, target: Target, name: str, progress: Progress | None = None) -> None:
         self.target = target
         self.name = name
         self.progress = progress
-        self.hash = hashlib.sha256()
-        self.free: queue.Queue[mmap.mmap] = queue.Queue()
-        for _ in range(DEPTH):
-            self.free.put(aligned_buffer(CHUNK))
-        self.writer = _Writer(target, self.free)
+        self.pool = _Pool(DEPTH, CHUNK)
+        self.hasher = _Hasher(self.pool)
+        self.writer = _Writer(self.pool, target)
+        self.hasher.start()
         self.writer.start()
         self.current = self._take()
         self.fill = 0
@@ -131,13 +170,13 @@ class DiskSink:
         while True:
             self._check()
             try:
-                return self.free.get(timeout=_QUEUE_POLL_S)
+                return self.pool.free.get(timeout=_QUEUE_POLL_S)
             except queue.Empty:
                 continue
 
     def _check(self) -> None:
-        if self.writer.error is not None:
-            error = self.writer.error
+        error = self.writer.error or self.hasher.error
+        if error is not None:
             raise ImagerError(
                 Reason.write_failed,
                 f"{self.target.path}: writing failed: {getattr(error, 'strerror', None) or error}",
@@ -155,34 +194,33 @@ class DiskSink:
             self._hand_over()
 
     def _hand_over(self) -> None:
-        view = memoryview(self.current)[: self.fill]
-        self.hash.update(view)
         start = 0
         if self.offset == 0:
-            found = container_format(bytes(view[:64]))
+            first = bytes(memoryview(self.current)[: min(self.fill, HEAD_BYTES)])
+            found = container_format(first[:64])
             if found is not None:
                 raise ImagerError(
                     Reason.image_format,
                     f"{self.name}: declared raw but it is a {found} image",
                     hint="the release names the wrong artifact for the raw format: republish it",
                 )
-            self.head = bytes(view[:HEAD_BYTES])
-            start = len(self.head)
-        if start < self.fill:
+            self.head = first
+            start = len(first)
+        writes = start < self.fill
+        self.pool.lend(self.current, 2 if writes else 1)
+        self.hasher.work.put((self.current, 0, self.fill, self.offset))
+        if writes:
             self.writer.work.put((self.current, start, self.fill, self.offset + start))
-        else:
-            self.free.put(self.current)
         self.offset += self.fill
         self.fill = 0
         self.current = self._take()
 
     def finish(self) -> str:
-        """Write what is left, wait for the writer, flush; the hex digest of everything received."""
+        """Write what is left, wait for both stages, flush; the hex digest of everything received."""
         if self.fill:
             self._hand_over()
-        self.free.put(self.current)
-        self.writer.work.put(None)
-        self.writer.join()
+        self.pool.free.put(self.current)
+        self._stop()
         self._check()
         try:
             os.fsync(self.target.fd)
@@ -190,11 +228,16 @@ class DiskSink:
             raise ImagerError(
                 Reason.write_failed, f"{self.target.path}: flushing failed: {exc.strerror}"
             ) from None
-        return self.hash.hexdigest()
+        return self.hasher.hash.hexdigest()
+
+    def _stop(self) -> None:
+        for stage in (self.hasher, self.writer):
+            stage.work.put(None)
+        for stage in (self.hasher, self.writer):
+            stage.join(timeout=3600)
 
     def abort(self) -> None:
-        self.writer.work.put(None)
-        self.writer.join(timeout=60)
+        self._stop()
 
 
 class FileSink:

@@ -1,0 +1,144 @@
+"""How fast the imager writes a verified image, against the raw write speed of the same target.
+
+A 2 GiB image of incompressible data is served on the loopback by busybox httpd (sendfile: a
+server that costs the client's CPU almost nothing, as nginx on a release server) and written to
+a file-backed disk (a preallocated file on the machine's disk), with verification on: the
+SHA-256 of every byte is computed while it streams and compared before the head (the partition
+table) is committed. The floor is ``dd bs=8M oflag=direct conv=fsync`` of the same bytes to the
+same target, timed in the same run, before and after; the faster of the two counts. The load
+average is printed too: SHA-256 is CPU work, and on a shared machine it competes.
+
+Printed: seconds and MiB/s of each, and the ratios ``dd / imager`` for
+
+* the raw path's write (stream, hash, write; the goal is >= 0.9),
+* the raw path's write plus its read-back (the whole disk is read and hashed again),
+* the QCOW2 path (download into memory with the hash, header check, ``qemu-img convert``, compare).
+
+    .venv/bin/python -m bench.imager [--size-gib 2] [--dir /var/tmp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from imager import blockdev
+from imager.http import Fetcher
+from imager.write import fetch_scratch, write_qcow2, write_raw
+from protocol.release import Image
+
+MiB = 1 << 20
+
+
+@contextlib.contextmanager
+def _httpd(folder: Path) -> Iterator[str]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen(["busybox", "httpd", "-f", "-p", f"127.0.0.1:{port}", "-h", str(folder)])
+    try:
+        for _ in range(50):
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            time.sleep(0.1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _dd(source: Path, target: Path) -> float:
+    blockdev.flush(target)
+    start = time.perf_counter()
+    subprocess.run(["dd", f"if={source}", f"of={target}", "bs=8M", "oflag=direct", "conv=notrunc,fsync", "status=none"],
+                   check=True, timeout=3600)  # fmt: skip
+    return time.perf_counter() - start
+
+
+def _image(path: Path, size: int) -> str:
+    digest = hashlib.sha256()
+    with path.open("wb") as fh:
+        for _ in range(size // (64 * MiB)):
+            chunk = os.urandom(64 * MiB)
+            digest.update(chunk)
+            fh.write(chunk)
+    return digest.hexdigest()
+
+
+def _rate(size: int, seconds: float) -> str:
+    return f"{seconds:7.2f} s  {size / MiB / seconds:8.1f} MiB/s"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=int, default=2)
+    parser.add_argument("--dir", type=Path, default=Path("/var/tmp"))  # noqa: S108 - a disk-backed folder
+    parser.add_argument("--no-qcow2", action="store_true", help="skip the QCOW2 path")
+    args = parser.parse_args()
+    size = args.size_gib << 30
+    work = Path(tempfile.mkdtemp(prefix="bench-imager-", dir=args.dir))
+    try:
+        srv_dir = work / "srv"
+        srv_dir.mkdir()
+        raw = srv_dir / "node.raw"
+        print(f"making a {args.size_gib} GiB image of random data in {work} ...")
+        digest = _image(raw, size)
+        target = work / "target.disk"
+        with target.open("wb") as fh:
+            os.posix_fallocate(fh.fileno(), 0, size + 64 * MiB)
+        floor = [_dd(raw, target)]
+        with _httpd(srv_dir) as url:
+            fetcher = Fetcher(attempts=1)
+            image = Image("node.raw", digest, size, "raw", size)
+            blockdev.wipe(target)
+            written = write_raw(fetcher, f"{url}/node.raw", image, target)
+            floor.append(_dd(raw, target))
+            qcow2_seconds = None
+            if not args.no_qcow2:
+                qcow2 = srv_dir / "node.qcow2"
+                subprocess.run(["qemu-img", "convert", "-q", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)],
+                               check=True, timeout=3600)  # fmt: skip
+                q_image = Image("node.qcow2", hashlib.sha256(qcow2.read_bytes()).hexdigest(), qcow2.stat().st_size,
+                                "qcow2", size)  # fmt: skip
+                shm = Path("/dev/shm")  # noqa: S108 - memory-backed, as the imager's /run
+                scratch_dir = shm if shm.is_dir() else work
+                scratch = scratch_dir / f"bench-imager-{os.getpid()}.qcow2"
+                blockdev.wipe(target)
+                start = time.perf_counter()
+                try:
+                    fetch_scratch(fetcher, f"{url}/node.qcow2", q_image, scratch)
+                    q_written = write_qcow2(scratch, q_image, target)
+                finally:
+                    scratch.unlink(missing_ok=True)
+                qcow2_seconds = time.perf_counter() - start
+                qcow2_write = qcow2_seconds - q_written.readback_seconds
+        best = min(floor)
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+        print(
+            f"dd oflag=direct (floor)      {_rate(size, best)}   (runs: {', '.join(f'{s:.2f}' for s in floor)} s)"
+        )
+        print(f"imager raw, write            {_rate(size, written.seconds)}")
+        print(f"imager raw, write+read-back  {_rate(size, written.seconds + written.readback_seconds)}")
+        if qcow2_seconds is not None:
+            print(f"imager qcow2, write          {_rate(size, qcow2_write)}")
+            print(f"imager qcow2, all+compare    {_rate(size, qcow2_seconds)}")
+        print(f"ratio raw write / dd           {best / written.seconds:.2f}   (goal >= 0.90)")
+        print(f"ratio raw write+read-back / dd {best / (written.seconds + written.readback_seconds):.2f}")
+        if qcow2_seconds is not None:
+            print(f"ratio qcow2 write / dd         {best / qcow2_write:.2f}")
+            print(f"ratio qcow2 all / dd           {best / qcow2_seconds:.2f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
