@@ -131,12 +131,23 @@ class HostNode:
 
     def _prepare(self) -> None:
         w = self.work
-        for d in ("etc/upper", "etc/work", "var/upper", "var/work", "bin", "cni/bin", "cni/net.d", "containerd"):
+        for d in (
+            "etc/upper",
+            "etc/work",
+            "var/upper",
+            "var/work",
+            "bin",
+            "cni/bin",
+            "cni/net.d",
+            "containerd",
+        ):
             (w / d).mkdir(parents=True, exist_ok=True)
         for plugin in CNI_PLUGINS:
             source = _DEBIAN_CNI / plugin
             if not os.access(source, os.X_OK):
-                raise PeerError(f"{source} is missing: install containernetworking-plugins (scripts/ensure-deps.sh)")
+                raise PeerError(
+                    f"{source} is missing: install containernetworking-plugins (scripts/ensure-deps.sh)"
+                )
             link = w / "cni" / "bin" / plugin
             if not link.exists():
                 link.symlink_to(source)
@@ -145,11 +156,15 @@ class HostNode:
         # route out, and the kubelet's lookups of its own name would otherwise wait out their timeouts
         # (long enough for its CSINode set-up to give up and leave the Node NotReady until a restart).
         hosts = Path("/etc/hosts").read_text() if Path("/etc/hosts").exists() else ""
-        (w / "etc" / "upper" / "hosts").write_text(f"{hosts.rstrip()}\n{ADDRESS} {self.node_name}\n".lstrip())
+        (w / "etc" / "upper" / "hosts").write_text(
+            f"{hosts.rstrip()}\n{ADDRESS} {self.node_name}\n".lstrip()
+        )
         (w / "etc" / "upper" / "resolv.conf").write_text("nameserver 127.0.0.1\n")
         kube_bin = binary("kubeadm").parent
         script = w / "in-mntns.sh"
-        script.write_text(_IN_MNTNS.replace("@W@", shlex.quote(str(w))).replace("@BIN@", shlex.quote(str(kube_bin))))
+        script.write_text(
+            _IN_MNTNS.replace("@W@", shlex.quote(str(w))).replace("@BIN@", shlex.quote(str(kube_bin)))
+        )
         self.kubeadm.write_text(
             "#!/bin/sh\n"
             "# kubeadm for a node on this host (tests/support/kube_node.py): the control plane's network\n"
@@ -180,7 +195,9 @@ class HostNode:
         deadline = time.monotonic() + 60
         while not (c / "containerd.sock").exists():
             if self._containerd.poll() is not None:
-                raise PeerError(f"containerd exited {self._containerd.returncode}:\n{log_tail(self.work / 'containerd.log')}")
+                raise PeerError(
+                    f"containerd exited {self._containerd.returncode}:\n{log_tail(self.work / 'containerd.log')}"
+                )
             if time.monotonic() > deadline:
                 raise PeerError("containerd did not create its socket within 60 s")
             time.sleep(0.05)
@@ -231,4 +248,3 @@ class HostNode:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
