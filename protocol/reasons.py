@@ -117,6 +117,27 @@ REASONS: dict[str, Reason] = {
         _r("ek_chain_invalid", F.EK_TRUST, "the EK certificate chain is invalid"),
         _r("banned", F.BAN, "an operator banned this agent"),
         _r("must_reattest", F.IDENTITY, "the agent renews its SVID by attesting again"),
+        # -- tpm_devid attestation and DevID enrolment ---------------------------------------
+        _r("devid_cert_malformed", F.REQUEST, "a DevID certificate of the chain cannot be parsed"),
+        _r(
+            "devid_cert_untrusted",
+            F.EVIDENCE,
+            "the DevID certificate does not chain to a trusted DevID CA (or is expired)",
+        ),
+        _r("devid_key_malformed", F.REQUEST, "DevIDPub is not a TPMT_PUBLIC of an RSA or ECC key"),
+        _r(
+            "devid_key_attributes",
+            F.EVIDENCE,
+            "the DevID key is not a TPM-generated, fixedTPM signing key with a SHA-256 scheme",
+        ),
+        _r("devid_key_mismatch", F.EVIDENCE, "the DevID certificate is for another key than DevIDPub"),
+        _r("devid_signature", F.EVIDENCE, "the DevID key's signature over the server's nonce does not verify"),
+        _r("ek_public_malformed", F.REQUEST, "EKPub is not a TPMT_PUBLIC of an RSA key"),
+        _r("certify_malformed", F.REQUEST, "the DevID certification is not a TPMS_ATTEST with a TPMT_SIGNATURE"),
+        _r("certify_invalid", F.EVIDENCE, "the DevID certification is not a TPM-generated TPM2_Certify"),
+        _r("certify_signature", F.EVIDENCE, "the DevID certification is not signed by the AK"),
+        _r("certify_name_mismatch", F.EVIDENCE, "the certification names another object than the DevID key"),
+        _r("devid_unavailable", F.REQUEST, "this server does not enrol DevIDs"),
         # -- Join ---------------------------------------------------------------------------
         _r("unauthenticated", F.IDENTITY, "no agent SVID of this trust domain was presented"),
         _r("not_attested", F.IDENTITY, "the server does not know this agent as attested"),

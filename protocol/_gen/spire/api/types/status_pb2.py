@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspire/api/types/status.proto\x12\x0fspire.api.types\"\xde\x01\n\x17PermissionDeniedDetails\x12?\n\x06reason\x18\x01 \x01(\x0e\x32/.spire.api.types.PermissionDeniedDetails.Reason\"\x81\x01\n\x06Reason\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x11\n\rAGENT_EXPIRED\x10\x01\x12\x16\n\x12\x41GENT_NOT_ATTESTED\x10\x02\x12\x14\n\x10\x41GENT_NOT_ACTIVE\x10\x03\x12\x10\n\x0c\x41GENT_BANNED\x10\x04\x12\x17\n\x13\x41GENT_MUST_REATTEST\x10\x05\x42\x37Z5github.com/spiffe/spire-api-sdk/proto/spire/api/typesb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspire/api/types/status.proto\x12\x0fspire.api.types\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xde\x01\n\x17PermissionDeniedDetails\x12?\n\x06reason\x18\x01 \x01(\x0e\x32/.spire.api.types.PermissionDeniedDetails.Reason\"\x81\x01\n\x06Reason\x12\x0b\n\x07UNKNOWN\x10\x00\x12\x11\n\rAGENT_EXPIRED\x10\x01\x12\x16\n\x12\x41GENT_NOT_ATTESTED\x10\x02\x12\x14\n\x10\x41GENT_NOT_ACTIVE\x10\x03\x12\x10\n\x0c\x41GENT_BANNED\x10\x04\x12\x17\n\x13\x41GENT_MUST_REATTEST\x10\x05\x42\x37Z5github.com/spiffe/spire-api-sdk/proto/spire/api/typesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,8 +32,10 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'spire.api.types.status_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'Z5github.com/spiffe/spire-api-sdk/proto/spire/api/types'
-  _globals['_PERMISSIONDENIEDDETAILS']._serialized_start=50
-  _globals['_PERMISSIONDENIEDDETAILS']._serialized_end=272
-  _globals['_PERMISSIONDENIEDDETAILS_REASON']._serialized_start=143
-  _globals['_PERMISSIONDENIEDDETAILS_REASON']._serialized_end=272
+  _globals['_STATUS']._serialized_start=49
+  _globals['_STATUS']._serialized_end=88
+  _globals['_PERMISSIONDENIEDDETAILS']._serialized_start=91
+  _globals['_PERMISSIONDENIEDDETAILS']._serialized_end=313
+  _globals['_PERMISSIONDENIEDDETAILS_REASON']._serialized_start=184
+  _globals['_PERMISSIONDENIEDDETAILS_REASON']._serialized_end=313
 # @@protoc_insertion_point(module_scope)
