@@ -108,6 +108,7 @@ def _agent() -> str:
 def _server() -> str:
     from protocol.policy import PROFILE, SECTIONS
     from server.config import TABLE
+    from server.devid.settings import TABLE as DEVID
     from server.ek.config import TABLE as EK
     from server.pools import CLUSTER, JOIN, POOL
 
@@ -122,6 +123,8 @@ def _server() -> str:
         "### Top level\n\n" + TABLE.reference(),
         "### `ek_trust`\n\nWhich TPMs to trust: [ek-trust.md](ek-trust.md). A key set to `null` keeps its default.\n\n"
         + EK.reference(prefix="ek_trust."),
+        "### `devid`\n\nThe DevID CA, LDevID enrolment and `tpm_devid` trust: [attestation.md](attestation.md).\n\n"
+        + DEVID.reference(prefix="devid."),
         "### `cluster`\n\nRequired with `pools`: [join.md](join.md).\n\n"
         + CLUSTER.reference(prefix="cluster."),
         "### `join`\n\n" + JOIN.reference(prefix="join."),

@@ -19,17 +19,22 @@ from grpc_health.v1.health import aio as health_aio
 
 from protocol._gen.spire.api.server.agent.v1 import agent_pb2
 from protocol._gen.spire.api.server.bundle.v1 import bundle_pb2
+from protocol._gen.spire.api.server.entry.v1 import entry_pb2
+from protocol._gen.spire.api.server.svid.v1 import svid_pb2
 from server.attest_service import AgentService
 from server.audit import AuditLog
 from server.boundary import Boundary, register
 from server.bundle_service import BundleService
 from server.ca import CertificateAuthority, ServerSvid
 from server.config import ServerConfig
+from server.devid.app import DevidParts
+from server.entry_service import EntryService
 from server.errors import ConfigError
 from server.health import HealthServer
 from server.limits import PeerLimits, connection_cap, raise_open_file_limit
 from server.metrics import Metrics
 from server.store import Store
+from server.svid_service import SvidService
 from server.tpm_attestor import EkTrustLike, TpmNodeAttestor
 
 log = logging.getLogger(__name__)
@@ -129,6 +134,7 @@ class ServerApp:
         self._owns_store = self.store is None
         self._tasks: list[asyncio.Task[None]] = []
         self.ca: CertificateAuthority | None = None
+        self.devid: DevidParts | None = None
         self.join_service: Any = None
         self.audit: AuditLog | None = None
         self.metrics = Metrics.create()
@@ -159,10 +165,11 @@ class ServerApp:
         self.boundary = Boundary(
             audit=self.audit, metrics=self.metrics, limits=self.limits, max_message_bytes=MAX_MESSAGE_BYTES
         )
+        self.devid = DevidParts.open(cfg, self.ek_trust, self.store, self._executor)
         agent_service = AgentService(
             ca=self.ca,
             store=self.store,
-            attestors={"tpm": TpmNodeAttestor(cfg.trust_domain, self.ek_trust)},
+            attestors={"tpm": TpmNodeAttestor(cfg.trust_domain, self.ek_trust), **self.devid.attestors()},
             svid_ttl=cfg.agent_svid_ttl,
             challenge_timeout=cfg.challenge_timeout.total_seconds(),
             first_message_timeout=cfg.first_message_timeout.total_seconds(),
@@ -184,6 +191,13 @@ class ServerApp:
             bundle_pb2.DESCRIPTOR.services_by_name["Bundle"],
             BundleService(self.ca).methods(),
         )
+        # What a spire-agent calls after attesting (no registration entries here: empty answers).
+        entries = EntryService(first_message_timeout=cfg.first_message_timeout.total_seconds())
+        register(server, self.boundary, entry_pb2.DESCRIPTOR.services_by_name["Entry"], entries.methods())
+        register(
+            server, self.boundary, svid_pb2.DESCRIPTOR.services_by_name["SVID"], SvidService().methods()
+        )
+        self.devid.register(server, self.boundary)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         host, port = cfg.listen

@@ -1,4 +1,4 @@
-"""The SPIRE Agent API's AttestAgent stream (grpc.aio), for the ``tpm`` attestor, and RenewAgent.
+"""The SPIRE Agent API's AttestAgent stream (grpc.aio), for the ``tpm`` and ``tpm_devid`` attestors, and RenewAgent.
 
 The flow, as SPIRE runs it (spire/pkg/server/api/agent/v1/service.go): the
 first message carries the attestation data and a CSR; the attestor answers
@@ -41,8 +41,9 @@ from server.errors import (
     StoreError,
     UnknownAttestorError,
 )
+from server.node_attestor import NodeAttestor
 from server.store import AgentRecord, Store
-from server.tpm_attestor import AttestResult, PendingAttestation, TpmNodeAttestor
+from server.tpm_attestor import AttestResult, PendingAttestation
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,7 +64,7 @@ class AgentService:
         *,
         ca: CertificateAuthority,
         store: Store,
-        attestors: dict[str, TpmNodeAttestor],
+        attestors: dict[str, NodeAttestor],
         svid_ttl: dt.timedelta,
         challenge_timeout: float,
         first_message_timeout: float,
@@ -165,7 +166,7 @@ class AgentService:
             )
         )  # fmt: skip
 
-    def _begin(self, attestor: TpmNodeAttestor, params: Any, call: Call) -> _Started:
+    def _begin(self, attestor: NodeAttestor, params: Any, call: Call) -> _Started:
         """In a worker thread: decode, check the CSR, validate the EK and the AK, build the challenge."""
         evidence = attestor.decode(params.data.payload)
         call.set(spiffe_id=str(evidence.agent_id), ek_hash=evidence.ek.pub_hash)
@@ -176,7 +177,7 @@ class AgentService:
         return _Started(pending, csr_key)
 
     def _finish(
-        self, attestor: TpmNodeAttestor, started: _Started, response: bytes, call: Call
+        self, attestor: NodeAttestor, started: _Started, response: bytes, call: Call
     ) -> tuple[IssuedSvid, AttestResult]:
         """In a worker thread: check the answer, sign the SVID, record the agent and commit the audit line.
 

@@ -36,6 +36,7 @@ from protocol.settings import (
     text,
 )
 from protocol.spiffe import validate_trust_domain
+from server.devid.settings import KIND as DEVID_KIND
 from server.ek.config import TABLE as EK_TABLE
 from server.ek.config import EkTrustConfig
 from server.errors import ConfigError
@@ -233,6 +234,13 @@ def _build_table() -> Table:
                 flag=None,
             ),
             _row("ek_trust", _EK_KIND, "which TPMs to trust: docs/ek-trust.md", flag=None),
+            Setting(
+                "devid",
+                DEVID_KIND,
+                "the DevID CA, LDevID enrolment and tpm_devid trust: docs/attestation.md",
+                flag=None,
+                default_text="a DevID CA in data_dir; enrolment on",
+            ),
             *(
                 Setting(name, kind, about, flag=None, default_text="none")
                 for name, kind, about in (
@@ -256,7 +264,7 @@ def _build_table() -> Table:
 
 TABLE = _build_table()
 # Sections validated by the modules that own them (join broker, pools, token backend).
-EXTRA_SECTIONS = frozenset({"join", "pools", "token_backend", "cluster"})
+EXTRA_SECTIONS = frozenset({"join", "pools", "token_backend", "cluster", "devid"})
 _FIELDS_NOT_SETTINGS = frozenset({"extra", "base_dir"})
 
 

@@ -70,6 +70,12 @@ class BannedError(AttestationDeniedError):
     reason = "banned"
 
 
+class AgentNotAttestedError(AttestationDeniedError):
+    """The server knows no attestation of the agent the request speaks for (DevID enrolment)."""
+
+    reason = "not_attested"
+
+
 class EkNotTrustedError(AttestationDeniedError):
     """The EK is neither listed nor certified by a trusted manufacturer CA (``server.ek_trust``).
 
