@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "agent.commands.attest",
     "agent.commands.check",
     "agent.commands.reattest",
+    "agent.commands.devid",
 )
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,9 @@
 CA (root and issuing certificate) is created by swtpm-localca on first use.
 :func:`manufacture` runs ``swtpm_setup`` (EK created, EK certificate issued by
 that CA and written to NV, NV locked), and :class:`Swtpm` serves a state
-folder on a random loopback port pair for the ``swtpm:`` TCTI.
+folder on a random loopback port pair for the ``swtpm:`` TCTI, or with ``unix=True`` on a UNIX
+socket (``<dir>/tpm.sock``, control ``tpm.sock.ctrl``): the form SPIRE's Go TPM library opens
+(``tpm_device_path``), which the ``swtpm:path=`` TCTI also takes.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import random
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,19 +122,73 @@ def _port_pair_free(port: int) -> bool:
 
 @dataclass
 class Swtpm:
-    """A running ``swtpm socket`` serving ``state_dir`` on 127.0.0.1:port (control on port+1)."""
+    """A running ``swtpm socket`` serving ``state_dir`` on 127.0.0.1:port (control on port+1), or with
+    ``unix`` on ``socket_path`` (in a short private folder of its own: sun_path holds 108 bytes)."""
 
     state_dir: Path
     port: int = 0
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    unix: bool = False
+    socket_path: Path | None = None
 
     @property
     def tcti(self) -> str:
+        if self.unix:
+            return f"swtpm:path={self.socket_path}"
         return f"swtpm:host=127.0.0.1,port={self.port}"
+
+    @property
+    def device_path(self) -> Path:
+        """The data socket, for SPIRE's ``tpm_device_path`` (UNIX mode only)."""
+        if self.socket_path is None:
+            raise RuntimeError("this swtpm serves TCP: start it with unix=True for SPIRE's go-tpm")
+        return self.socket_path
+
+    def _start_unix(self, log: Path) -> Swtpm:
+        folder = Path(tempfile.mkdtemp(prefix="nt-swtpm-"))  # 0700
+        sock = folder / "tpm.sock"
+        proc = subprocess.Popen(
+            [
+                "swtpm",
+                "socket",
+                "--tpm2",
+                "--tpmstate",
+                f"dir={self.state_dir}",
+                "--server",
+                f"type=unixio,path={sock}",
+                "--ctrl",
+                f"type=unixio,path={sock}.ctrl",
+                "--flags",
+                "not-need-init,startup-clear",
+                "--log",
+                f"file={log},level=1",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and proc.poll() is None:
+            if sock.exists():
+                try:
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                        s.settimeout(0.2)
+                        s.connect(str(sock))
+                    self.socket_path, self.proc = sock, proc
+                    return self
+                except OSError:
+                    pass
+            time.sleep(0.05)
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
+        raise RuntimeError(f"swtpm did not start on {sock}; see {log}")
 
     def start(self, attempts: int = 20) -> Swtpm:
         require_tools()
         log = self.state_dir.parent / f"{self.state_dir.name}-swtpm.log"
+        if self.unix:
+            return self._start_unix(log)
         for _ in range(attempts):
             port = random.randrange(20000, 60000, 2)
             if not _port_pair_free(port):
@@ -177,6 +234,9 @@ class Swtpm:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+        if self.socket_path is not None:
+            shutil.rmtree(self.socket_path.parent, ignore_errors=True)
+            self.socket_path = None
 
     def __enter__(self) -> Swtpm:
         return self.start() if self.proc is None else self
