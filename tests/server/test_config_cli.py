@@ -72,7 +72,12 @@ def test_agents_actions_print_json(tmp_path: Path, capsys: pytest.CaptureFixture
     config = _config(tmp_path)
     agent = "spiffe://example.org/spire/agent/tpm/" + "a" * 64
     assert nodeserver(["agents", "ban", agent, "--json", "-c", str(config)]) == 0
-    assert json.loads(capsys.readouterr().out) == {"action": "ban", "spiffe_id": agent, "changed": True}
+    assert json.loads(capsys.readouterr().out) == {
+        "action": "ban",
+        "spiffe_id": agent,
+        "changed": True,
+        "revoked_tokens": [],
+    }
     assert nodeserver(["agents", "list", "--json", "-c", str(config)]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["spiffe_id"], r["banned"]) for r in rows] == [(agent, True)]
