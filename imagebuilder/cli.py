@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "imagebuilder.commands.test",
     "imagebuilder.commands.keygen",
     "imagebuilder.commands.verify",
+    "imagebuilder.commands.release",
 )
 
 

@@ -22,6 +22,10 @@ APT_PACKAGES=(
   postgresql
   # Authenticode oracles for the boot reference values (imagebuilder.pehash tests)
   osslsigncode pesign
+  # the imager's tests: sgdisk -v as a GPT oracle, the iPXE ROM; cloud-init's own schema validation runs from
+  # Debian's cloud-init package unpacked by scripts/cloud-init-schema.sh, on these Python modules
+  gdisk ipxe-qemu python3-requests python3-jinja2 python3-jsonschema python3-yaml python3-configobj
+  python3-jsonpatch python3-netifaces
 )
 
 missing=()
