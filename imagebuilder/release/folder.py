@@ -131,7 +131,11 @@ def _cloud_init(spec: ReleaseSpec, work: Path, version: str) -> dict[str, str]:
         cloudinit.check_kubeadm(init_docs, ["InitConfiguration", "ClusterConfiguration"], version)
         join_doc = cloudinit.kubeadm_join_document(cp)
         cloudinit.check_kubeadm([join_doc], ["JoinConfiguration"], version)
-        for name, docs in (("kubeadm-init.yaml", init_docs), ("kubeadm-join.yaml", [join_doc])):
+        # The discovery kubeconfig exists only on the joining node (handed over out of band; a release holds
+        # no secret): kubeadm checks that the file exists, so its copy here names a stand-in file.
+        (work / "discovery.conf").write_text("")
+        checked_join = {**join_doc, "discovery": {"file": {"kubeConfigPath": str(work / "discovery.conf")}}}
+        for name, docs in (("kubeadm-init.yaml", init_docs), ("kubeadm-join.yaml", [checked_join])):
             (work / name).write_text(yaml.safe_dump_all(docs, sort_keys=False))
             cloudinit.validate_kubeadm(work / name, spec.kubeadm or None)
         files["control-plane-init.user-data"] = cloudinit.control_plane_init_user_data(cp)

@@ -1,0 +1,187 @@
+"""``imagebuilder release`` and the imager on what it makes: a release folder the imager verifies with
+the pinned key, whose image lands on the hinted disk with the node-pool cloud-init in a CIDATA seed.
+
+Oracles: cloud-init's own ``schema`` command (Debian's package, unpacked), the real ``kubeadm config
+validate`` (the peers build), blkid and mtools reading the seed partition back.
+"""
+
+from __future__ import annotations
+
+import email
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import yaml
+
+from imagebuilder.errors import BuildError
+from imagebuilder.release import cloudinit
+from imager.gpt import read_gpt
+from imager.params import Params
+from tests.imager.conftest import TARGET_SERIAL, Keys, Machine, sh
+from tests.imager.server import ReleaseServer, tls_certificate
+
+pytestmark = pytest.mark.subprocess
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def cloud_init_schema() -> None:
+    subprocess.run([str(REPO / "scripts" / "cloud-init-schema.sh")], check=True, timeout=600)
+
+
+def _kubeadm() -> str:
+    from tests.support.peers import binary
+
+    return str(binary("kubeadm"))
+
+
+def _release(
+    tmp_path: Path, build: Path, keys: dict[str, Keys], server: ReleaseServer, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    imager = tmp_path / "imager-env"
+    imager.mkdir(exist_ok=True)
+    (imager / "vmlinuz").write_bytes(b"MZ kernel stand-in")
+    (imager / "initrd.img").write_bytes(b"070701 initramfs stand-in")
+    bundle = tls_certificate(tmp_path)[0]
+    argv = [sys.executable, "-m", "imagebuilder.cli", "release", str(build), "--build-key", str(keys["release"].pub),
+            "--key", str(keys["release"].key), "--out", str(tmp_path / "srv"), "--base-url", f"{server.url}/",
+            "--imager", str(imager), "--pool", "h200", "--server", "10.0.2.2:8081", "--trust-domain", "nodetrust.test",
+            "--bundle", str(bundle), "--ntp", "10.0.2.2", "--control-plane-endpoint", "cp.nodetrust.test:6443",
+            "--kubeadm", _kubeadm(), "--hint", "model=fixture_nvme*", "--events-url", f"{server.url}/events",
+            "--raw", "--json", *extra]  # fmt: skip
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_a_release_folder_is_signed_validated_and_never_changed(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    build = build_folder(raw=False, name="node-build")
+    made = _release(tmp_path, build, keys, server)
+    assert made.returncode == 0, made.stderr
+    out = json.loads(made.stdout)
+    folder = Path(out["folder"])
+    assert folder.name == "k8s-1.36.3-amd64-h200" and out["key"] == keys["release"].fingerprint
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == sorted(["boot.ipxe", "entry.ipxe", "imager.vmlinuz", "imager.initrd", "node-debian-12.qcow2",
+                            "node-debian-12.raw", "worker.user-data", "control-plane-init.user-data",
+                            "control-plane-join.user-data", "release.json", "signing-key.pub", "SHA256SUMS",
+                            "signature.dsse.json"])  # fmt: skip
+    subprocess.run(["sha256sum", "--check", "--strict", "--quiet", "SHA256SUMS"], cwd=folder, check=True)
+    # the imager's own verification, pinning the key as the boot script does
+    verify = subprocess.run([sys.executable, "-m", "imager", "verify", "--cmdline", "/dev/null", "--release", out["url"],
+                             "--key", out["key"], "--keys-dir", str(tmp_path / "none"), "--json"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert verify.returncode == 0, verify.stderr
+    assert json.loads(verify.stdout)["kind"] == "release"
+    boot = (folder / "boot.ipxe").read_text()
+    release = json.loads((folder / "release.json").read_text())
+    assert (
+        f"nodeimager.key={out['key']}" in boot
+        and f"nodeimager.image=sha256:{release['images'][0]['sha256']}" in boot
+    )
+    assert release["imager"]["kernel"]["sha256"] in boot and release["kubernetes"]["version"] == "1.36.3"
+    # the worker cloud-init only writes configuration
+    worker = yaml.safe_load((folder / "worker.user-data").read_text())
+    assert list(worker) == ["write_files"]
+    agent = yaml.safe_load(
+        next(f["content"] for f in worker["write_files"] if f["path"] == cloudinit.AGENT_CONFIG)
+    )
+    assert agent == {"server": "10.0.2.2:8081", "trust_domain": "nodetrust.test", "pool": "h200",
+                     "bundle": cloudinit.AGENT_BUNDLE}  # fmt: skip
+    # the control plane: kubeadm v1beta4 with the release's version, which the real kubeadm accepts
+    init = yaml.safe_load((folder / "control-plane-init.user-data").read_text())
+    docs = list(yaml.safe_load_all(init["write_files"][0]["content"]))
+    assert [d["kind"] for d in docs] == ["InitConfiguration", "ClusterConfiguration"]
+    assert docs[1]["kubernetesVersion"] == "v1.36.3" and init["runcmd"][0][:2] == ["kubeadm", "init"]
+    join = yaml.safe_load((folder / "control-plane-join.user-data").read_text())
+    assert "controlPlane" in yaml.safe_load(join["write_files"][0]["content"])
+    # never changed in place
+    again = _release(tmp_path, build, keys, server)
+    assert again.returncode == 8 and "never changed in place" in again.stderr
+
+
+def test_a_tampered_build_gives_no_release(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    build = build_folder(raw=False, name="node-build")
+    with (build / "node-debian-12.qcow2").open("r+b") as fh:
+        fh.seek(100000)
+        fh.write(b"\xff")
+    made = _release(tmp_path, build, keys, server)
+    assert made.returncode == 5 and "sha256 mismatch" in made.stderr
+    assert not [p for p in (tmp_path / "srv").iterdir() if p.name.startswith(("k8s-", ".k8s-"))]
+
+
+def test_cloud_init_schema_and_our_checks_refuse_what_they_should(
+    cloud_init_schema: None, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.user-data"
+    bad.write_text("#cloud-config\nwrite_files: 3\n")
+    with pytest.raises(BuildError, match="schema validation refuses"):
+        cloudinit.validate_schema(bad)
+    with pytest.raises(BuildError, match="only writes configuration"):
+        cloudinit.check_worker("#cloud-config\nwrite_files: []\npackages: [htop]\n")
+    with pytest.raises(BuildError):
+        cloudinit.check_kubeadm(
+            [{"apiVersion": "kubeadm.k8s.io/v1beta3", "kind": "JoinConfiguration"}], ["JoinConfiguration"]
+        )
+    broken = tmp_path / "kubeadm.yaml"
+    broken.write_text(
+        "apiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration\nkubernetesVersion: banana\n"
+    )
+    with pytest.raises(BuildError, match="kubeadm config validate"):
+        cloudinit.validate_kubeadm(broken, _kubeadm())
+
+
+def test_the_imager_writes_a_release_and_seeds_its_node_pool_cloud_init(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    machine: Callable[..., Machine], tmp_path: Path,
+) -> None:  # fmt: skip
+    made = _release(tmp_path, build_folder(raw=False, name="node-build"), keys, server)
+    assert made.returncode == 0, made.stderr
+    out = json.loads(made.stdout)
+    folder = Path(out["folder"])
+    release = json.loads((folder / "release.json").read_text())
+    m = machine()
+    params = Params(release=out["url"], key=out["key"], image=f"sha256:{release['images'][0]['sha256']}",
+                    hints={"serial": TARGET_SERIAL}, agent={"node_name": "gpu-rack3-u12"}, reboot="no")  # fmt: skip
+    result = m.image(params, keys_dir=None)
+    target = m.node("nvme0n1")
+    assert result.seed_partition is not None
+    seed = next(e for e in read_gpt(target).entries if e.number == result.seed_partition)
+    label = (
+        sh("blkid", "-p", "-o", "value", "-s", "LABEL", "--offset", str(seed.offset), str(target))
+        .stdout.decode()
+        .strip()
+    )
+    assert label == "CIDATA"
+    user_data = sh("mtype", "-i", f"{target}@@{seed.offset}", "::user-data").stdout
+    meta = yaml.safe_load(sh("mtype", "-i", f"{target}@@{seed.offset}", "::meta-data").stdout)
+    assert meta["local-hostname"] == "gpu-rack3-u12" and meta["instance-id"].startswith("nodetrust-")
+    # user-data: the signed worker cloud-init unchanged, then the per-machine agent drop-in, as cloud-init reads it
+    message = email.message_from_bytes(user_data)
+    parts = [
+        p.get_payload(decode=True) for p in message.walk() if p.get_content_type() == "text/cloud-config"
+    ]
+    assert message.is_multipart() and len(parts) == 2
+    assert parts[0] == (folder / "worker.user-data").read_bytes()
+    netboot = yaml.safe_load(parts[1])
+    assert netboot["write_files"][0]["path"] == "/etc/nodeagent/config.d/50-netboot.yaml"
+    assert yaml.safe_load(netboot["write_files"][0]["content"]) == {"node_name": "gpu-rack3-u12"}
+    (tmp_path / "netboot.cfg").write_bytes(parts[1])
+    cloudinit.validate_schema(tmp_path / "netboot.cfg")
+    # the release names the events URL: the server received the whole story
+    assert [e["event"] for e in server.recorder.events] == [
+        "verified",
+        "disk-chosen",
+        "written",
+        "boot-entry",
+        "done",
+    ]
+    assert server.recorder.events[1]["disk"]["serial"] == TARGET_SERIAL
