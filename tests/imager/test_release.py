@@ -166,9 +166,10 @@ def test_the_imager_writes_a_release_and_seeds_its_node_pool_cloud_init(
     assert meta["local-hostname"] == "gpu-rack3-u12" and meta["instance-id"].startswith("nodetrust-")
     # user-data: the signed worker cloud-init unchanged, then the per-machine agent drop-in, as cloud-init reads it
     message = email.message_from_bytes(user_data)
-    parts = [
+    payloads = [
         p.get_payload(decode=True) for p in message.walk() if p.get_content_type() == "text/cloud-config"
     ]
+    parts = [p for p in payloads if isinstance(p, bytes)]
     assert message.is_multipart() and len(parts) == 2
     assert parts[0] == (folder / "worker.user-data").read_bytes()
     netboot = yaml.safe_load(parts[1])
