@@ -331,12 +331,12 @@ class Boundary:
         err.grpc_code = "UNIMPLEMENTED"
         await self._abort(context, err)
 
-    def _unimplemented_stream(self, requests: AsyncIterator[Any], context: Context) -> AsyncIterator[Any]:
-        async def gen() -> AsyncIterator[Any]:
-            await self._unimplemented(None, context)
-            yield None  # pragma: no cover - abort() raises
-
-        return gen()
+    async def _unimplemented_stream(
+        self, requests: AsyncIterator[Any], context: Context
+    ) -> AsyncIterator[Any]:
+        # An async generator itself: grpc.aio iterates what a plain function returns as a sync generator.
+        await self._unimplemented(None, context)
+        yield None  # pragma: no cover - abort() raises
 
 
 def public_message(err: ServerError, reason: reasons.Reason) -> str:

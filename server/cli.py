@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "server.commands.bundle",
     "server.commands.agents",
     "server.commands.identity",
+    "server.commands.devid_ca",
 )
 
 
