@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.control_plane import ControlPlane
+from tests.support.control_plane import KUBELET_CONFIG, ControlPlane
 from tests.support.kube_identities import service_account
 from tests.support.kube_node import HostNode
 from tests.support.peers import KUBE_VERSION, ROOT
@@ -188,3 +188,7 @@ def test_nodeagent_run_joins_with_the_real_kubeadm_and_kubelet(
     assert current.is_symlink()  # to the issued certificate, an absolute path inside the node's /var
     assert (node.var() / Path(os.readlink(current)).relative_to("/var")).is_file()
     assert node.kubelet_pid() is not None
+    # The kubelet that made the Node Ready ran with the cluster's KubeletConfiguration, every key intact.
+    written = yaml.safe_load((node.var() / "lib" / "kubelet" / "config.yaml").read_text())
+    assert {k: written.get(k) for k in KUBELET_CONFIG} == KUBELET_CONFIG
+    assert written["containerRuntimeEndpoint"] == node.cri_socket  # the agent's cri_socket, via kubeadm

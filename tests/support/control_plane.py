@@ -273,6 +273,7 @@ class ControlPlane:
         k = f"--kubeconfig={self.ns_admin_kubeconfig}"
         self.kubeadm("init", "phase", "bootstrap-token", f"--config={config}", k)
         self.kubeadm("init", "phase", "upload-config", "all", f"--config={config}", k)
+        self._check_kubelet_config(kubelet_config)
         # The BootstrapSigner signing cluster-info for kubeadm's token shows the controllers are running.
         self.wait_for(
             "the BootstrapSigner to sign cluster-info", lambda: self._jws(_KUBEADM_TOKEN_ID), _START_TIMEOUT
@@ -283,6 +284,18 @@ class ControlPlane:
             lambda: True if self._jws(_KUBEADM_TOKEN_ID) is None else None,
             _START_TIMEOUT,
         )
+
+    def _check_kubelet_config(self, sent: dict[str, Any]) -> None:
+        """Fail closed when kubeadm's upload changed a setting every joining kubelet would get (defect 5)."""
+        got = self.kubectl_json("-n", "kube-system", "get", "configmap", "kubelet-config")
+        received = yaml.safe_load(got["data"]["kubelet"])
+        lost = {k: (v, received.get(k)) for k, v in sent.items() if received.get(k) != v}
+        if lost:
+            raise PeerError(
+                "the KubeletConfiguration does not survive kubeadm's upload to the kubelet-config ConfigMap: "
+                + "; ".join(f"{k}: sent {a!r}, the kubelet gets {b!r}" for k, (a, b) in sorted(lost.items()))
+                + ' (an empty list is dropped and re-defaulted: say ["none"] for "nothing")'
+            )
 
     def _start_forwarder(self, port: int) -> None:
         listener = socket.create_server(("127.0.0.1", port))
