@@ -3,7 +3,8 @@
 Never a target, whatever the hints say (each with its token in the refusal):
 
 * ``loop``, ``ram``, ``zram``, ``device-mapper``, ``md``, ``optical``, ``nbd``: not a physical disk;
-* ``removable`` (USB sticks, SD cards, virtual media), ``read-only``, ``empty`` (size 0);
+* ``removable`` (USB sticks, SD cards, virtual media), ``read-only``, ``empty`` (size 0),
+  ``sector-size`` (logical sectors other than 512 bytes: the images' GPT is laid out in 512-byte LBAs);
 * ``boot-medium``: an ISO 9660 or UDF file system on the disk (the virtual medium the imager may have
   booted from);
 * ``multipath-member``, ``raid-member`` (``linux_raid_member``, ``isw_raid_member``,
@@ -85,6 +86,10 @@ def exclusions(disk: Disk, *, min_size: int = 0) -> list[tuple[str, str]]:
         out.append(("read-only", "read-only"))
     if disk.size == 0:
         out.append(("empty", "size 0 (no medium)"))
+    if disk.logical_block_size != 512:
+        out.append(
+            ("sector-size", f"{disk.logical_block_size}-byte logical sectors (the image's GPT uses 512)")
+        )
     types = {disk.fs_type, *(p.fs_type for p in disk.partitions)} - {""}
     if types & MEDIUM_TYPES:
         out.append(

@@ -47,6 +47,7 @@ class FakeDisk:
     partitions: list[FakePart] = field(default_factory=list)
     major: int = 259
     udev: bool = True  # whether udev has a record for it
+    logical_block_size: int = 512
 
 
 def _write(path: Path, text: str) -> None:
@@ -65,7 +66,7 @@ def make_machine(root: Path, disks: list[FakeDisk], *, node_files: bool = True) 
         _write(base / "removable", "1\n" if disk.removable else "0\n")
         _write(base / "ro", "1\n" if disk.read_only else "0\n")
         _write(base / "queue" / "rotational", "1\n" if disk.rotational else "0\n")
-        _write(base / "queue" / "logical_block_size", "512\n")
+        _write(base / "queue" / "logical_block_size", f"{disk.logical_block_size}\n")
         (base / "holders").mkdir(parents=True, exist_ok=True)
         for holder in disk.holders:
             (base / "holders" / holder).mkdir()

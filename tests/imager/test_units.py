@@ -179,6 +179,7 @@ def _server(tmp_path: Path) -> list[FakeDisk]:
         FakeDisk("sdd", 1 << 40, partitions=[FakePart(1, "LVM2_member", holders=("dm-0",))], major=8),
         FakeDisk("sde", 1 << 40, read_only=True, major=8),
         FakeDisk("sdf", 1 << 40, swap=True, major=8),
+        FakeDisk("sdg", 1 << 40, logical_block_size=4096, major=8),
     ]
 
 
@@ -188,7 +189,9 @@ def test_never_a_target_whatever_the_hints(tmp_path: Path) -> None:
     assert tokens["sdb"] == ["removable"] and tokens["sr0"] == ["optical", "boot-medium"]
     assert tokens["loop0"] == ["loop"] and tokens["zram0"] == ["zram"] and tokens["md0"] == ["md"]
     assert tokens["sdc"] == ["raid-member", "in-use"] and tokens["sdd"] == ["in-use"]
-    assert tokens["sde"] == ["read-only"] and tokens["sdf"] == ["mounted"]
+    assert (
+        tokens["sde"] == ["read-only"] and tokens["sdf"] == ["mounted"] and tokens["sdg"] == ["sector-size"]
+    )
     assert tokens["sda"] == [] and all(tokens[f"nvme{i}n1"] == [] for i in range(8))
 
 
