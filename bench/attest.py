@@ -396,10 +396,24 @@ def main() -> int:
         help="agents driven against a no-op server on the same gRPC/TLS stack to measure the transport "
         "floor (default: as many as --agents; 0 skips it)",
     )
+    parser.add_argument(
+        "--against",
+        choices=("spire-server",),
+        help="run the same storm against nodeserver and a real spire-server v1.13.3 (make peers) and print "
+        "both and the ratios: tpm_devid, and the tpm plugin with --tpm-plugin (bench/attest_spire.py)",
+    )
+    parser.add_argument(
+        "--tpm-plugin", metavar="DIR", help="spire-tpm-plugin binaries (default $NODETRUST_SPIRE_TPM_PLUGIN)"
+    )
+    parser.add_argument("--spire-first", action="store_true", help="with --against: run spire-server first")
     args = parser.parse_args()
     if args.transport_agents is None:
         args.transport_agents = args.agents
     sys.path.insert(0, str(ROOT))
+    if args.against:
+        from bench.attest_spire import run_against_spire
+
+        return run_against_spire(args)
 
     t0 = time.monotonic()
     ca_pem, agents = prepare(args.agents)
