@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent.kubeadm import KubeadmFailure
 
 
 class Action(StrEnum):
@@ -264,6 +268,14 @@ class KubeadmError(AgentError):
 
     exit_code = 9
     action = Action.NEW_TOKEN
+
+
+class KubeadmFailedError(KubeadmError):
+    """kubeadm ran and failed; ``failure`` (agent.kubeadm.KubeadmFailure) is what it said about itself."""
+
+    def __init__(self, message: str, *, hint: str = "", failure: KubeadmFailure | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.failure = failure
 
 
 class JoinConfigError(KubeadmError):

@@ -8,6 +8,13 @@ Public API::
                        cri_socket: str = "unix:///run/containerd/containerd.sock") -> dict[str, Any]
     write_join_config(path: Path, doc: dict[str, Any]) -> None      # YAML, 0600, atomic
     kubeadm_join(config_path: Path, *, kubeadm: str = "kubeadm", timeout: float = 600) -> None
+        # KubeadmFailedError (with .failure) when kubeadm ran and failed
+    kubeadm_reset(*, kubeadm: str = "kubeadm", cri_socket: str, timeout: float = 300) -> None
+    @dataclass(frozen=True) class KubeadmFailure:
+        status: int; phase: str | None; error: str; preflight_errors: tuple[str, ...]
+        node_untouched -> bool     # kubeadm stopped in its preflight phase: it wrote nothing
+    parse_failure(status: int, output: str) -> KubeadmFailure
+    failure_hint(failure: KubeadmFailure) -> str
     redact(text: str, *secrets: str) -> str
 
 The document follows ``kubeadm.k8s.io/v1beta4`` (reference §6.3): token discovery
@@ -16,7 +23,16 @@ list (``[]`` means none, never kubeadm's defaults), ``kubeletExtraArgs`` as a li
 ``{name, value}`` with the node labels as ``node-labels``, and the four timeouts.
 
 Invalid input raises :class:`JoinConfigError` with a hint, before anything is
-written or run. The token is a secret: it lives only in the 0600 file, which
+written or run.
+
+A failed ``kubeadm join`` is judged from what kubeadm states, never from its warnings: the exit status,
+the ``error execution phase <phase>: <error>`` line and the names of the fatal preflight checks
+(``[ERROR <check>]: ...``). ``[WARNING ...]`` lines and klog lines are ignored: real nodes print warnings
+on every run (containerd 1.x: ``ContainerRuntimeVersion``; no systemd: ``Service-kubelet``), and once
+a warning's words picked the hint. The phase also says whether the node was changed: a failure in
+``preflight`` wrote nothing; any later phase, or no phase line at all (kubeadm killed, timed out),
+may have left a partial join behind, which the lifecycle undoes with :func:`kubeadm_reset` before it
+tries again. The token is a secret: it lives only in the 0600 file, which
 ``kubeadm_join`` always removes, and it is redacted from every message and log
 line (kubeadm's output included).
 """
@@ -28,12 +44,13 @@ import logging
 import re
 import stat
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from agent.errors import JoinConfigError, KubeadmError
+from agent.errors import JoinConfigError, KubeadmError, KubeadmFailedError
 from agent.files import read_bounded, write_atomic
 from agent.proc import CommandError, Failure, run
 
@@ -73,29 +90,102 @@ _KUBELET_LABELS = {
 }
 _KUBELET_NAMESPACES = ("kubelet.kubernetes.io", "node.kubernetes.io")
 _HINT_SERVER = "the join broker sent it; check the pool and cluster settings of nodeserver"
-# kubeadm failures worth a specific hint: (pattern in its output, hint).
-_KUBEADM_HINTS = (
+
+_PHASE_LINE = re.compile(
+    r"^(?:error: )?error execution phase (?P<phase>[A-Za-z0-9/_-]+): (?P<error>.*)$", re.M
+)
+_PREFLIGHT_ERROR = re.compile(r"^\s*\[ERROR (?P<check>[A-Za-z0-9._/-]+)\]: ", re.M)
+# Fatal preflight checks that mean "an earlier join left this": kubeadm's check names.
+_LEFTOVER_CHECKS = ("FileAvailable--", "DirAvailable--", "Port-")
+# (pattern on kubeadm's own error line, hint); the first match wins. Only the error line is searched.
+_ERROR_HINTS = (
     (
-        re.compile(r"kubelet\.conf already exists|ca\.crt already exists|FileAvailable|Port-10250", re.I),
-        "this node is already (partly) joined: run `kubeadm reset -f` and remove /var/lib/nodeagent/joined to rejoin",
-    ),
-    (
-        re.compile(r"JWS signature|token id .* is invalid|has expired|Unauthorized", re.I),
-        "the bootstrap token expired or was deleted before kubeadm used it; the agent asks for a new one",
-    ),
-    (
-        re.compile(r"public key.*(not pinned|does not match)|none of the public keys|x509", re.I),
+        re.compile(
+            r"none of the public keys .* are pinned|cluster CA found in cluster-info ConfigMap is invalid"
+        ),
         "the cluster CA does not match the pinned caCertHashes: check cluster.ca_cert on nodeserver",
     ),
     (
-        re.compile(r"connection refused|i/o timeout|no route to host|context deadline exceeded", re.I),
-        "the API server endpoint is unreachable from this node: check routing and firewalls to port 6443",
+        re.compile(r"JWS signature|token id .* is invalid|has expired|Unauthorized"),
+        "the bootstrap token expired or was deleted before kubeadm used it; the agent asks for a new one",
     ),
     (
-        re.compile(r"container runtime|CRI|containerd\.sock", re.I),
-        "the container runtime is not answering: check `systemctl status containerd`",
+        re.compile(r"\bis forbidden: User \"system:bootstrap:"),
+        "the cluster refused the bootstrap token what kubeadm join needs: its groups must include "
+        "system:bootstrappers:kubeadm:default-node-token (nodeserver always adds it) and the cluster must have "
+        "kubeadm's bootstrap-token RBAC (`kubeadm init phase bootstrap-token` on the control plane)",
+    ),
+    (
+        re.compile(
+            r"connection refused|i/o timeout|no route to host|context deadline exceeded|network is unreachable"
+        ),
+        "the API server endpoint is unreachable from this node: check routing and firewalls to port 6443",
     ),
 )
+
+
+@dataclass(frozen=True)
+class KubeadmFailure:
+    """What a failed kubeadm run said about itself (never its warnings)."""
+
+    status: int  # exit status; negative: killed by that signal
+    phase: str | None  # "preflight", "kubelet-start", ...; None: kubeadm stated none (killed, timed out)
+    error: str  # kubeadm's error, after "error execution phase <phase>: " (redacted)
+    preflight_errors: tuple[str, ...] = ()  # names of the fatal preflight checks
+
+    @property
+    def node_untouched(self) -> bool:
+        """kubeadm stopped in its preflight phase, which writes nothing to the node."""
+        return self.phase == "preflight"
+
+
+def parse_failure(status: int, output: str) -> KubeadmFailure:
+    """The failing phase, kubeadm's error line and the fatal preflight checks in ``output``."""
+    phases = list(_PHASE_LINE.finditer(output))
+    last = phases[-1] if phases else None
+    checks = tuple(dict.fromkeys(m.group("check") for m in _PREFLIGHT_ERROR.finditer(output)))
+    return KubeadmFailure(
+        status=status,
+        phase=last.group("phase") if last else None,
+        error=last.group("error").strip() if last else "",
+        preflight_errors=checks,
+    )
+
+
+def failure_hint(failure: KubeadmFailure, *, cri_socket: str = DEFAULT_CRI_SOCKET) -> str:
+    """What to do about ``failure``, from its phase, its preflight check names and its error line."""
+    leftovers = [c for c in failure.preflight_errors if c.startswith(_LEFTOVER_CHECKS)]
+    if leftovers:
+        return (
+            f"files or ports of another kubeadm join are in the way ({', '.join(leftovers)}); the agent undoes "
+            "only its own failed joins, so if this node should join afresh run `kubeadm reset -f` "
+            "(and remove /var/lib/nodeagent/joined); the agent tries again"
+        )
+    if "CRI" in failure.preflight_errors:
+        return f"the container runtime is not answering on {cri_socket}: check `systemctl status containerd`"
+    if "KubeletVersion" in failure.preflight_errors:
+        return (
+            "the kubelet is missing or of the wrong version: the image must stage the pinned kubelet on PATH"
+        )
+    for pattern, hint in _ERROR_HINTS:
+        if pattern.search(failure.error):
+            return hint
+    if failure.phase is None:
+        how = (
+            f"was killed by signal {-failure.status}"
+            if failure.status < 0
+            else "stopped without naming a phase"
+        )
+        return (
+            f"kubeadm {how} before it finished; the agent runs `kubeadm reset -f` before it tries again "
+            "(see `journalctl -u nodeagent` for its output)"
+        )
+    if failure.phase.startswith(("kubelet-start", "kubelet-wait-bootstrap")):
+        return (
+            "the kubelet did not start or did not finish its TLS bootstrap: see `journalctl -u kubelet`; "
+            "the agent runs `kubeadm reset -f` before it tries again"
+        )
+    return f"kubeadm failed in its {failure.phase} phase: see `journalctl -u nodeagent` for its whole output"
 
 
 def redact(text: str, *secrets: str) -> str:
@@ -302,6 +392,43 @@ def _tail(text: str, lines: int = 8) -> str:
     return " / ".join(kept)
 
 
+def _cri_socket_of(config_path: Path) -> str:
+    try:
+        doc = yaml.safe_load(read_bounded(config_path, MAX_JOIN_CONFIG_BYTES))
+        value = doc["nodeRegistration"]["criSocket"]
+    except (OSError, ValueError, yaml.YAMLError, KeyError, TypeError):
+        return DEFAULT_CRI_SOCKET
+    return value if isinstance(value, str) else DEFAULT_CRI_SOCKET
+
+
+def kubeadm_reset(
+    *, kubeadm: str = "kubeadm", cri_socket: str = DEFAULT_CRI_SOCKET, timeout: float = 300
+) -> None:
+    """``kubeadm reset -f``: undo a partial join (kubelet files, its certificates, /var/lib/kubelet).
+
+    Only for a join of this agent's that did not finish; never after a successful one.
+    """
+    argv = [kubeadm, "reset", "-f", "--cri-socket", cri_socket]
+    log.warning("undoing an unfinished kubeadm join: %s", " ".join(argv))
+    try:
+        result = run(argv, timeout=timeout, check=False)
+    except CommandError as exc:
+        raise KubeadmError(
+            f"kubeadm reset could not run: {exc.message}",
+            hint="run `kubeadm reset -f` on the node yourself; the agent tries again",
+        ) from exc
+    if result.returncode != 0:
+        output = redact(result.stdout + "\n" + result.stderr)
+        log.warning("kubeadm reset failed (exit %d); its output:\n%s", result.returncode, output.strip())
+        failure = parse_failure(result.returncode, output)
+        raise KubeadmFailedError(
+            f"kubeadm reset -f exited with status {result.returncode}: {failure.error or _tail(output) or 'no output'}",
+            hint="run `kubeadm reset -f` on the node yourself and look at what it says; the agent tries again",
+            failure=failure,
+        )
+    log.info("kubeadm reset -f undid the unfinished join")
+
+
 def kubeadm_join(config_path: Path, *, kubeadm: str = "kubeadm", timeout: float = 600) -> None:
     """Run ``kubeadm join --config <config_path>``; the file is removed afterwards, whatever happens."""
     try:
@@ -321,19 +448,24 @@ def kubeadm_join(config_path: Path, *, kubeadm: str = "kubeadm", timeout: float 
                 hint = f"is {kubeadm} installed in the image?"
             elif exc.failure is Failure.NOT_RUNNABLE:
                 hint = f"{kubeadm} must be an executable file on a file system not mounted noexec"
-            else:
-                hint = (
-                    "kubeadm hung (a stuck image pull or kubelet?): see `journalctl -u nodeagent -u kubelet`"
-                )
-            raise KubeadmError(redact(exc.message, *secrets), hint=hint) from exc
+            else:  # it ran and was killed at the timeout: it may have left a partial join
+                raise KubeadmFailedError(
+                    redact(exc.message, *secrets),
+                    hint="kubeadm hung (a stuck image pull or kubelet?): see `journalctl -u nodeagent -u kubelet`; "
+                    "the agent runs `kubeadm reset -f` before it tries again",
+                    failure=KubeadmFailure(status=-9, phase=None, error="timed out"),
+                ) from exc
+            raise KubeadmError(redact(exc.message, *secrets), hint=hint) from exc  # it never ran
         output = redact(result.stdout + "\n" + result.stderr, *secrets)
         if result.returncode != 0:
             log.warning("kubeadm join failed (exit %d); its output:\n%s", result.returncode, output.strip())
-            hint = next((h for pattern, h in _KUBEADM_HINTS if pattern.search(output)), "")
-            raise KubeadmError(
-                f"kubeadm join exited with status {result.returncode}: {_tail(output) or 'no output'}",
-                hint=hint
-                or "see `journalctl -u nodeagent` for kubeadm's whole output; then `kubeadm reset -f`",
+            failure = parse_failure(result.returncode, output)
+            said = failure.error or _tail(output) or "no output"
+            where = f" in phase {failure.phase}" if failure.phase else ""
+            raise KubeadmFailedError(
+                f"kubeadm join exited with status {result.returncode}{where}: {said}",
+                hint=failure_hint(failure, cri_socket=_cri_socket_of(config_path)),
+                failure=failure,
             )
         log.info("kubeadm join succeeded")
         log.debug("kubeadm output:\n%s", output)

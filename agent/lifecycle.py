@@ -15,6 +15,13 @@ crash or a reboot resumes at the right place:
   longer knows it;
 * a JoinConfiguration left in ``join_config`` by a killed run (it holds a
   token) is removed at the start of every run and on every way out;
+* a ``kubeadm join`` that failed after its preflight phase (or was killed, or timed out) may have left
+  a partial join behind (``/etc/kubernetes/bootstrap-kubelet.conf``, ``pki/ca.crt``, a started kubelet)
+  that makes every later try fail at once; the agent marks each run of kubeadm join in
+  ``<state_dir>/kubeadm-join-unfinished`` before it starts and clears the mark after a success or a
+  failure in preflight (which writes nothing), so the next try runs ``kubeadm reset -f`` first when,
+  and only when, an earlier try of its own may have left something. Never after a success: a joined
+  node (the marker, ``/etc/kubernetes/kubelet.conf``) ends the run before any of this;
 * after ``kubeadm join`` succeeds the agent reports it to the broker
   (Join.ReportJoined), which revokes the token at once; a failed report is
   logged and retried a few times, and never undoes the join.
@@ -53,10 +60,12 @@ from agent.errors import (
     Action,
     AgentError,
     ConfigError,
+    KubeadmError,
+    KubeadmFailedError,
     RefusalError,
     VerificationFailedError,
 )
-from agent.files import FileTooLargeError, ensure_private_dir, read_bounded
+from agent.files import FileTooLargeError, ensure_private_dir, read_bounded, write_atomic
 from agent.state import LastError, State, StateStore, Step
 from agent.status import status_doc, status_lines
 from agent.svid import SvidStore
@@ -69,6 +78,7 @@ FAULT_ENV = "NODEAGENT_FAULT_KILL_AFTER"
 MAX_BUNDLE_BYTES = 1024 * 1024
 REPORT_ATTEMPTS = 3  # Join.ReportJoined tries; the token's TTL and the broker's own revocation back it up
 REPORT_TIMEOUT_S = 15.0
+UNFINISHED_JOIN_MARKER = "kubeadm-join-unfinished"
 
 
 @dataclass
@@ -376,12 +386,45 @@ class Lifecycle:
             cri_socket=self.config.cri_socket,
         )
         public_id = token_id(grant.token)
+        self._undo_unfinished_join()
         path = Path(self.config.join_config)
         ensure_private_dir(path.parent, what="folder of the join configuration")
         write_join_config(path, doc)
-        kubeadm_join(path, kubeadm=self.config.kubeadm)  # a KubeadmError asks for a new token
+        unfinished = self._unfinished_marker
+        write_atomic(
+            unfinished,
+            b"kubeadm join started; a failure after preflight may leave a partial join\n",
+            mode=0o600,
+        )
+        try:
+            kubeadm_join(path, kubeadm=self.config.kubeadm)  # a KubeadmError asks for a new token
+        except KubeadmFailedError as exc:
+            if exc.failure is not None and exc.failure.node_untouched:
+                unfinished.unlink(missing_ok=True)  # it stopped in preflight: nothing to undo
+            raise
+        except KubeadmError:
+            unfinished.unlink(missing_ok=True)  # kubeadm never ran (missing, not executable, no file)
+            raise
+        unfinished.unlink(missing_ok=True)
         self.report_joined(public_id)
         return Step.JOINED
+
+    @property
+    def _unfinished_marker(self) -> Path:
+        return Path(self.config.state_dir) / UNFINISHED_JOIN_MARKER
+
+    def _undo_unfinished_join(self) -> None:
+        """``kubeadm reset -f`` when an earlier kubeadm join of this agent may have left a partial join."""
+        from agent.kubeadm import kubeadm_reset
+
+        if not self._unfinished_marker.exists():
+            return
+        if self.kubelet_conf.exists():  # never undo a join that finished
+            self._unfinished_marker.unlink(missing_ok=True)
+            return
+        log.warning("an earlier kubeadm join on this node did not finish: undoing it before trying again")
+        kubeadm_reset(kubeadm=self.config.kubeadm, cri_socket=self.config.cri_socket)
+        self._unfinished_marker.unlink(missing_ok=True)
 
     def report_joined(self, public_id: str) -> None:
         """Tell the broker the token was used, so it revokes it now; never undoes the join."""

@@ -84,7 +84,7 @@ def test_failure_raises_with_the_tail_and_a_hint_and_removes_the_file(
         kubeadm_join(path)
     assert not path.exists()
     message = exc.value.message
-    assert message.startswith("kubeadm join exited with status 1: ")
+    assert message.startswith("kubeadm join exited with status 1 in phase preflight: ")
     assert "could not find a JWS signature" in message
     assert "abcdef.<redacted>" in message  # kubeadm printed the token; we did not pass it on
     assert "expired" in exc.value.hint
@@ -101,8 +101,9 @@ def test_failure_with_a_bare_secret_in_the_output(
     with pytest.raises(KubeadmError) as exc:
         kubeadm_join(_written(run_dir))
     assert "status 3" in exc.value.message
-    assert "already (partly) joined" in exc.value.hint
-    _assert_secret_hidden(logs, exc.value)
+    # Hints are chosen from kubeadm's phase line and check names; tests/peers/test_kubeadm_failures.py
+    # proves them on output of the real kubeadm. Here: whatever the hint, no secret in it.
+    _assert_secret_hidden(logs, exc.value, exc.value.hint)
 
 
 def test_success_output_is_logged_redacted(

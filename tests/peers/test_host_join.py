@@ -4,7 +4,9 @@ The whole chain on this host, with nothing in it we wrote but nodetrust: swtpm w
 ``nodeserver run`` with the ``kubernetes`` token backend (the documented identity and RBAC) and a CPU
 pool with labels and a taint, ``nodeagent run`` (attest, check, join request) whose kubeadm is the real
 one, in a private mount namespace (tests/support/kube_node.py) with Debian's containerd and CNI plugins,
-the kubelet started as kubeadm's systemd drop-in would. The test ends when the Node is Ready with the
+the kubelet started as kubeadm's systemd drop-in would. The agent's first kubeadm join is SIGKILLed
+once it has written the kubelet's files (a crash mid-join, defect 1): the agent must undo that partial
+join (``kubeadm reset -f``) before its second try, which joins. The test ends when the Node is Ready with the
 pool's labels and taints and the broker's token is revoked (its Secret gone; test_broker_tokens.py shows
 the API server refusing a token revoked that way).
 """
@@ -103,7 +105,7 @@ def _agent_env(work: Path, server: ServerProcess, tpm: Swtpm, node: HostNode) ->
         "NODEAGENT_JOIN_CONFIG": str(work / "run" / "kubeadm-join.yaml"),
         "NODEAGENT_RETRY_INITIAL_S": "1",
         "NODEAGENT_RETRY_MAX_S": "5",
-        "NODEAGENT_DEADLINE_S": "600",
+        "NODEAGENT_DEADLINE_S": "180",  # ample for two tries; before defect 1 was fixed it ran out here
     }
 
 
@@ -129,6 +131,7 @@ def test_nodeagent_run_joins_with_the_real_kubeadm_and_kubelet(
     server: ServerProcess,
 ) -> None:
     env = _agent_env(work, server, tpm[0], node)
+    node.fault_kill_kubeadm_after_kubelet_start()
     agent = subprocess.run(
         [sys.executable, "-m", "agent.cli", "-v", "run", "--config-dir", str(work / "etc")],
         cwd=ROOT,
@@ -141,6 +144,12 @@ def test_nodeagent_run_joins_with_the_real_kubeadm_and_kubelet(
     output = agent.stdout + agent.stderr
     assert agent.returncode == 0, output[-6000:]
     assert "kubeadm join succeeded" in output
+    # Defect 1: the killed join left bootstrap-kubelet.conf and pki/ca.crt; every later try failed
+    # preflight at once until the deadline. Now the agent undoes its own partial join first, once.
+    calls = [c[:2] for c in node.kubeadm_calls()]
+    assert calls == [["join", "--config"], ["reset", "-f"], ["join", "--config"]], calls
+    assert node.kubeadm_calls()[1] == ["reset", "-f", "--cri-socket", node.cri_socket]
+    assert not (work / "agent" / "kubeadm-join-unfinished").exists()
     assert re.search(r"\b[a-z0-9]{6}\.[a-z0-9]{16}\b", output) is None  # no token in the agent's output
 
     doc = control_plane.wait_for("the Node to be Ready", lambda: _ready(control_plane), timeout=300)
@@ -152,6 +161,7 @@ def test_nodeagent_run_joins_with_the_real_kubeadm_and_kubelet(
     assert doc["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://1.6.")
 
     grants = [line for line in _audit(work) if line.get("event") == "join" and line.get("token_id")]
+    assert len(grants) == 2  # the killed try's token, then a new one (the first is revoked as replaced)
     token_id = grants[-1]["token_id"]
     # The kubelet's client certificate came from a CSR made with that token, and was auto-approved.
     csrs = control_plane.kubectl_json("get", "csr")["items"]
