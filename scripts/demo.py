@@ -52,6 +52,7 @@ from demo_common import (
     DemoError,
     say,
     server_config,
+    show_measured_boot,
     show_token_and_audit,
     step,
     token_secrets,
@@ -539,7 +540,12 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
         )
         ca.install_into(work / "server" / "ek-ca")
         config = work / "server" / "config.yaml"
-        config.write_text(json.dumps(server_config(work), indent=2))
+        measured = (
+            folder / "boot-measurements.json"
+        )  # the build's prediction: the pool admits only that boot
+        config.write_text(
+            json.dumps(server_config(work, measured if measured.is_file() else None), indent=2)
+        )
         print(f"  $ server.cli run --config {config}")
         server = stack.enter_context(ServerProcess(None, config, log=work / "server.log"))
         print(f"  {server.line}")
@@ -595,6 +601,7 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
 
         step(5, "The token, as the file backend wrote it for an operator to apply, and the audit trail")
         audit = show_token_and_audit(work)
+        show_measured_boot(audit)
         problems = verdict(work, audit, guest, logs)
         if problems:
             print("\n\033[1mdemo: FAILED\033[0m")
@@ -621,6 +628,8 @@ def main() -> int:
                         help="the agent's steps on the host against swtpm: no image, no VM (seconds)")  # fmt: skip
     parser.add_argument("--image", metavar="FOLDER",
                         help="boot this build folder (published by `imagebuilder build`) instead of building")  # fmt: skip
+    parser.add_argument("--tampered-boot", action="store_true",
+                        help="with --host-only: then reboot into another command line; the re-check is refused")  # fmt: skip
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary folder (server data, token, console, built image)")  # fmt: skip
     parser.add_argument("--accel", choices=("kvm", "tcg"), help="override the image's build accelerator")
@@ -657,7 +666,7 @@ def main() -> int:
     work.chmod(0o711)
     began = time.monotonic()
     try:
-        rc = host_chain(work) if args.host_only else vm_chain(work, args)
+        rc = host_chain(work, tampered=args.tampered_boot) if args.host_only else vm_chain(work, args)
     except DemoError as exc:
         print(f"\ndemo: error: {exc}", file=sys.stderr)
         rc = 1

@@ -35,8 +35,9 @@ def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, text=True, capture_output=True, cwd=ROOT, check=False, **kwargs)  # type: ignore[call-overload,no-any-return]
 
 
-def server_config(work: Path) -> dict[str, Any]:
-    """A fresh trust domain on loopback ports, trusting the EK CA in ``work/server/ek-ca``."""
+def server_config(work: Path, measurements: Path | None = None) -> dict[str, Any]:
+    """A fresh trust domain on loopback ports, trusting the EK CA in ``work/server/ek-ca``; with
+    ``measurements`` (a build's boot-measurements.json) the pool admits only that release's boot."""
     from tests.support.joinenv import cluster_ca
 
     cluster_ca(work / "server" / "cluster-ca.pem")
@@ -56,8 +57,32 @@ def server_config(work: Path) -> dict[str, Any]:
         },
         "join": {"token_ttl": "15m"},
         "token_backend": {"type": "file", "directory": str(tokens)},
-        "pools": {"cpu": {"profile": {"preset": "cpu", "checks": {"warn": ["node.*"]}}}},
+        "pools": {
+            "cpu": {"profile": {"preset": "cpu", "checks": {"warn": ["node.*"]}}, **_measured(measurements)}
+        },
     }
+
+
+def _measured(measurements: Path | None) -> dict[str, Any]:
+    if measurements is None:
+        return {}
+    import hashlib
+
+    raw = measurements.read_bytes()
+    name = str(json.loads(raw).get("image") or "release")
+    release = {"name": name, "measurements": str(measurements), "sha256": hashlib.sha256(raw).hexdigest()}
+    return {"measured_boot": {"releases": [release], "nonce_ttl": "5m"}}
+
+
+def show_measured_boot(audit: list[dict[str, Any]]) -> None:
+    """The admitted joins' releases and PCRs, from the audit log (what the server verified)."""
+    for entry in audit:
+        if entry.get("result") == "ok" and entry.get("release"):
+            print(
+                f"  measured boot verified: quote signed by the attested AK over the server's nonce, event log replayed "
+                f"to it; booted release {entry['release']} (PCRs {entry.get('checked_pcrs')} compared, "
+                f"{entry.get('unchecked_pcrs')} quoted but not compared)"
+            )
 
 
 def token_secrets(work: Path) -> list[str]:

@@ -1,9 +1,14 @@
 """``make demo-host``: the agent's steps on the host against an swtpm socket, without an image or a VM.
 
-1. a TPM: swtpm, manufactured with an EK certificate from a local EK CA;
-2. the server: ``nodeserver`` with a fresh trust domain trusting that EK CA and a CPU pool;
-3. ``nodeagent attest``; 4. ``nodeagent check`` against the CPU pool; 5. ``nodeagent run``: join
-   credentials and ``kubeadm join`` through the kubeadm TEST DOUBLE; 6. the token and the audit.
+1. a TPM: swtpm, manufactured with an EK certificate from a local EK CA; a measured boot played into
+   its PCRs as firmware and GRUB would (a SIMULATED boot: there is no firmware here), and its event log;
+2. the server: ``nodeserver`` with a fresh trust domain trusting that EK CA and a CPU pool that
+   admits only that boot's release (its boot-measurements.json);
+3. ``nodeagent attest``; 4. ``nodeagent check`` against the CPU pool; 5. ``nodeagent run``: a quote
+   over the server's nonce with the event log, join credentials and ``kubeadm join`` through the
+   kubeadm TEST DOUBLE; 6. the token and the audit (the release the quote proved);
+7. with ``tampered=True`` (``demo.py --host-only --tampered-boot``): the node "reboots" into another
+   kernel command line and ``nodeagent reattest`` is refused, naming PCR 8.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ from demo_common import (
     run,
     say,
     server_config,
+    show_measured_boot,
     show_token_and_audit,
     step,
 )
 
+CMDLINE = "root=UUID=6e0c1c5a-3b7d-4c1e-9a55-2f7d0b1e8c42 ro console=ttyS0,115200"
 
-def host_chain(work: Path) -> int:
+
+def host_chain(work: Path, *, tampered: bool = False) -> int:
+    from tests.support.measuredboot import fixture_boot
     from tests.support.swtpm import LocalCa, Swtpm, manufacture
 
     tpm: Swtpm | None = None
@@ -35,11 +44,21 @@ def host_chain(work: Path) -> int:
         manufacture(work / "tpm", ca)
         tpm = Swtpm(work / "tpm").start()
         print(f"  swtpm listening, TCTI {tpm.tcti}")
+        boot = fixture_boot(cmdline=CMDLINE)
+        boot.extend_into(tpm.tcti)
+        (work / "binary_bios_measurements").write_bytes(boot.log())
+        reference = work / "release" / "boot-measurements.json"
+        reference.parent.mkdir()
+        boot.write_reference(reference, image="demo-release")
+        print(
+            f"  a SIMULATED measured boot extended into its PCRs 0-9; its event log: {work / 'binary_bios_measurements'}"
+        )
 
-        step(2, f"The server: a fresh trust domain {TRUST_DOMAIN}, trusting that EK CA, with a CPU pool")
+        step(2, f"The server: a fresh trust domain {TRUST_DOMAIN}, trusting that EK CA, with a CPU pool that admits "
+                "only the release whose boot-measurements.json it lists")  # fmt: skip
         ca.install_into(work / "server" / "ek-ca")
         config = work / "server" / "config.yaml"
-        config.write_text(json.dumps(server_config(work), indent=2))
+        config.write_text(json.dumps(server_config(work, measurements=reference), indent=2))
         from tests.support.serverproc import ServerProcess
 
         print(f"  $ server.cli run --config {config}")
@@ -91,6 +110,7 @@ def host_chain(work: Path) -> int:
                 "NODEAGENT_STATE_DIR": str(work / "agent"),
                 "NODEAGENT_KUBEADM": str(kubeadm),
                 "NODEAGENT_JOIN_CONFIG": str(work / "run" / "kubeadm-join.yaml"),
+                "NODEAGENT_EVENT_LOG": str(work / "binary_bios_measurements"),
             }
             joined = run(
                 [sys.executable, "-m", "agent.cli", "-v", "run", "--config-dir", str(work / "etc")], env=env
@@ -110,8 +130,27 @@ def host_chain(work: Path) -> int:
 
             step(6, "The token, as the file backend wrote it for an operator to apply, and the audit trail")
             audit = show_token_and_audit(work)
+            show_measured_boot(audit)
             if any(entry.get("result") != "ok" for entry in audit):
                 return 1
+            if tampered:
+                step(
+                    7,
+                    "A tampered boot: the node reboots with init=/bin/sh on its command line and re-attests",
+                )
+                tpm.stop()
+                tpm.start()  # a TPM reset: PCRs back to zero, keys kept
+                env["NODEAGENT_TCTI"] = tpm.tcti
+                evil = fixture_boot(cmdline=CMDLINE + " init=/bin/sh")
+                evil.extend_into(tpm.tcti)
+                (work / "binary_bios_measurements").write_bytes(evil.log())
+                again = run([sys.executable, "-m", "agent.cli", "reattest", "--force", "--config-dir",
+                             str(work / "etc")], env=env)  # fmt: skip
+                say((again.stderr + again.stdout).strip())
+                if again.returncode != 8 or "measurement_changed" not in again.stderr:
+                    print("demo: the tampered boot was NOT refused", file=sys.stderr)
+                    return 1
+                print("  refused: the server names PCR 8 and the event that differs (exit 8, permanent)")
         print(
             "\n\033[1mdemo: the node proved its TPM identity, passed its checks, and joined with a one-time token.\033[0m"
         )
