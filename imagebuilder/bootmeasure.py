@@ -44,6 +44,8 @@ from imagebuilder.pehash import authenticode
 from protocol import eventlog, measurements
 
 FILE_NAME = "boot-measurements.json"
+#: What the provisioning boot's ``bootloader`` step (cloud-init/stage.sh) wrote into the image: what GRUB boots.
+BOOT_INFO = "/etc/nodetrust/boot.json"
 MEDIA_TYPE = "application/vnd.nodetrust.boot-measurements+json"
 LOADER_PATH = "EFI/BOOT/BOOTX64.EFI"
 #: The modules embedded in the GRUB image: the TPM verifier first, then what the configuration needs.
@@ -137,6 +139,23 @@ def write(folder: Path, ref: measurements.BootReference) -> Path:
     path.write_bytes(render(ref))
     path.chmod(0o644)
     return path
+
+
+def measure_image(qcow2: Path, work: Path, *, image: str) -> measurements.BootReference:
+    """The reference values of a built image, from its own files: ``BOOT_INFO``, the ESP's loader, kernel, initrd."""
+    from imagebuilder.imagefiles import ImageFiles
+
+    with ImageFiles(qcow2, work) as files:
+        try:
+            info = json.loads(files.root(BOOT_INFO))
+            boot = GrubBoot(**{k: str(info[k]) for k in ("root_uuid", "kernel", "initrd", "cmdline")})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise OutputError(
+                f"{BOOT_INFO} in the image does not say what GRUB boots: {exc}",
+                hint="the staging plan's bootloader step writes it; rebuild with this imagebuilder",
+            ) from exc
+        return reference(image, boot, loader=files.esp(LOADER_PATH), kernel=files.root(boot.kernel),
+                         initrd=files.root(boot.initrd))  # fmt: skip
 
 
 def corroborate(ref: measurements.BootReference, raw_log: bytes) -> list[str]:
