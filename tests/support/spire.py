@@ -179,12 +179,13 @@ class SpireServer:
             time.sleep(0.3)
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        words = [a for a in args[: next((i for i, a in enumerate(args) if a.startswith("-")), len(args))]]
         argv: list[str | Path] = [
             spire_binary("spire-server"),
-            args[0],
+            *words,
             "-socketPath",
             str(self.socket_path),
-            *args[1:],
+            *args[len(words) :],
         ]
         return run(argv, check=check, timeout=60)
 
