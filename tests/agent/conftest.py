@@ -72,6 +72,9 @@ class _Join(join_pb2_grpc.JoinServicer):
     async def ReportJoined(self, request: Any, context: Any) -> Any:
         return await self.server.dispatch("ReportJoined", request, context)
 
+    async def Recheck(self, request: Any, context: Any) -> Any:
+        return await self.server.dispatch("Recheck", request, context)
+
 
 class _Agent(agent_pb2_grpc.AgentServicer):
     def __init__(self, server: TinyServer) -> None:
