@@ -79,8 +79,14 @@ stop_kubelet() {
 case "${1:-}" in
 join)
   kubeadm_pid=$$
+  # kubeadm's kubelet-start phase (re)starts the kubelet once it has written the kubelet's files in this
+  # run; files an earlier run left behind do not count (their modification time is the old one).
+  flags=/var/lib/kubelet/kubeadm-flags.env
+  before=$(stat -c %y "$flags" 2>/dev/null || true)
   (
-    while [ ! -s /var/lib/kubelet/config.yaml ] || [ ! -s /var/lib/kubelet/kubeadm-flags.env ]; do
+    while :; do
+      now=$(stat -c %y "$flags" 2>/dev/null || true)
+      if [ -n "$now" ] && [ "$now" != "$before" ] && [ -s /var/lib/kubelet/config.yaml ]; then break; fi
       kill -0 "$kubeadm_pid" 2>/dev/null || exit 0
       sleep 0.2
     done
