@@ -26,6 +26,8 @@ APT_PACKAGES=(
   # Debian's cloud-init package unpacked by scripts/cloud-init-schema.sh, on these Python modules
   gdisk ipxe-qemu python3-requests python3-jinja2 python3-jsonschema python3-yaml python3-configobj
   python3-jsonpatch python3-netifaces
+  # the peer tier's node on this host (tests/support/kube_node.py): containerd, CNI plugins, iptables for the kubelet
+  containerd containernetworking-plugins iptables
 )
 
 missing=()
