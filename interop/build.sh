@@ -16,6 +16,10 @@ REPO=$(cd "$HERE/.." && pwd)
 # shellcheck source=interop/env.sh
 . "$HERE/env.sh"
 PEERS=$REPO/.cache/peers
+if ! command -v go >/dev/null 2>&1; then
+  echo "interop/build.sh: no Go toolchain: Go 1.26 must be installed in /usr/local/go (interop/README.md)" >&2
+  exit 1
+fi
 
 key_of() {  # module dir -> key
   { cat "$1/go.mod" "$1/go.sum" "$1/peer.conf"; go env GOVERSION; } | sha256sum | cut -c1-12
