@@ -406,6 +406,12 @@ def main() -> int:
         "--tpm-plugin", metavar="DIR", help="spire-tpm-plugin binaries (default $NODETRUST_SPIRE_TPM_PLUGIN)"
     )
     parser.add_argument("--spire-first", action="store_true", help="with --against: run spire-server first")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="with --against: rounds, alternating which server goes first (2)",
+    )
     args = parser.parse_args()
     if args.transport_agents is None:
         args.transport_agents = args.agents

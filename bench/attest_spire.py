@@ -346,27 +346,32 @@ def run_against_spire(args: argparse.Namespace) -> int:
     devid_root.write_bytes(devid_pem)
     plan = [("tpm_devid", devid_agents)] + ([("tpm", tpm_agents)] if plugin is not None else [])
     rows: list[Figures] = []
-    for attestor, agents in plan:
-        order = ("nodeserver", "spire") if not args.spire_first else ("spire", "nodeserver")
-        for which in order:
-            if which == "nodeserver":
-                ns = _nodeserver(work / f"ns-{attestor}", work / "ek-ca", devid_root, args.store)
-                try:
-                    rows.append(
-                        _run("nodeserver", attestor, ns.pid, ns.attest_port, ns.bundle, agents, args)
+    for rnd in range(args.rounds):
+        for attestor, agents in plan:
+            # Alternate the order round by round: the machine's other load moves both servers' figures.
+            first_spire = args.spire_first != (rnd % 2 == 1)
+            for which in ("spire", "nodeserver") if first_spire else ("nodeserver", "spire"):
+                tag = f"{attestor}-{rnd}"
+                if which == "nodeserver":
+                    ns = _nodeserver(work / f"ns-{tag}", work / "ek-ca", devid_root, args.store)
+                    try:
+                        rows.append(
+                            _run("nodeserver", attestor, ns.pid, ns.attest_port, ns.bundle, agents, args)
+                        )
+                    finally:
+                        ns.stop()
+                else:
+                    sp = _spire(
+                        work / f"spire-{tag}", ek_bundle, devid_root, plugin if attestor == "tpm" else None
                     )
-                finally:
-                    ns.stop()
-            else:
-                sp = _spire(
-                    work / f"spire-{attestor}", ek_bundle, devid_root, plugin if attestor == "tpm" else None
-                )
-                try:
-                    assert sp.proc is not None
-                    label = SPIRE + (" + tpm plugin" if attestor == "tpm" else "")
-                    rows.append(_run(label, attestor, sp.proc.pid, sp.port, sp.bundle_pem(), agents, args))
-                finally:
-                    sp.stop()
+                    try:
+                        assert sp.proc is not None
+                        label = SPIRE + (" + tpm plugin" if attestor == "tpm" else "")
+                        rows.append(
+                            _run(label, attestor, sp.proc.pid, sp.port, sp.bundle_pem(), agents, args)
+                        )
+                    finally:
+                        sp.stop()
     print(
         f"bench/attest --against spire-server: {args.agents} agents, {args.concurrency} concurrent, "
         f"{args.clients} client processes"
@@ -379,14 +384,22 @@ def run_against_spire(args: argparse.Namespace) -> int:
     }
     failed = False
     for attestor, _ in plan:
-        ours = next(f for f in rows if f.attestor == attestor and f.server == "nodeserver")
-        theirs = next(f for f in rows if f.attestor == attestor and f.server != "nodeserver")
-        ratios = _ratios(ours, theirs)
-        out[f"ratios_{attestor}"] = ratios
-        print(
-            f"  nodeserver / spire-server ({attestor}): " + ", ".join(f"{k} {v}x" for k, v in ratios.items())
-        )
-        for f in (ours, theirs):
+        ours = [f for f in rows if f.attestor == attestor and f.server == "nodeserver"]
+        theirs = [f for f in rows if f.attestor == attestor and f.server != "nodeserver"]
+        per_round = [_ratios(a, b) for a, b in zip(ours, theirs, strict=True)]
+        for i, ratios in enumerate(per_round):
+            print(
+                f"  nodeserver / spire-server ({attestor}, round {i + 1}): "
+                + ", ".join(f"{k} {v}x" for k, v in ratios.items())
+            )
+        mean = {k: round(statistics.mean(r[k] for r in per_round), 3) for k in per_round[0]}
+        out[f"ratios_{attestor}"] = mean
+        if len(per_round) > 1:
+            print(
+                f"  mean of {len(per_round)} rounds ({attestor}): "
+                + ", ".join(f"{k} {v}x" for k, v in mean.items())
+            )
+        for f in (*ours, *theirs):
             if f.errors:
                 failed = True
                 print(f"  {f.server} errors: {'; '.join(f.first_errors)}")
