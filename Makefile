@@ -60,7 +60,7 @@ demo: deps peers
 demo-host: deps
 	$(PY) scripts/demo.py --host-only
 
-bench: deps
+bench: deps peers
 	$(PY) bench/attest.py
 	$(PY) bench/join.py
 	$(PY) -m bench.store

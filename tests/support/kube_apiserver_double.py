@@ -1,11 +1,14 @@
 """KUBERNETES API SERVER TEST DOUBLE (recorded contract): a real HTTPS server on 127.0.0.1.
 
-No API server can run on the development machines, so the token backend is tested
-against this double. It speaks the part of the API the backend uses, with the
-answers (status codes and ``v1/Status`` bodies) of a real kube-apiserver:
+The token backend is tested against a real kube-apiserver v1.36.3 (tests/peers/, built by
+``make peers``); this double stays for the faults a real server cannot be made to produce on
+demand (5xx and 429 answers, an answer echoing the request body, no answer at all) and for the
+exec-plugin tests. It speaks the part of the API the backend uses, with the answers (status codes
+and ``v1/Status`` bodies) of a real kube-apiserver, except where noted:
 
 * TLS with a certificate from a test CA; client certificates are verified when
-  presented (``VerifyClientCertIfGiven``, as kube-apiserver does);
+  presented (``VerifyClientCertIfGiven``; a real kube-apiserver instead accepts the handshake and
+  answers 401 for a certificate from another CA, and 403 rather than 404 for an unknown path prefix);
 * authentication: a valid client certificate (user = CN, groups = O) or a known
   ``Authorization: Bearer`` token; otherwise ``401 Unauthorized``;
 * authorization: ``grants`` maps a user to the verbs it may use on ``secrets``
