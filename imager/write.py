@@ -447,7 +447,8 @@ def write_qcow2(
                  file__filename=str(target_path))  # fmt: skip
     cache = "none" if direct else "writeback"
     progress = console(f"writing {image.name}", virtual) if console else None
-    run(["qemu-img", "convert", "-n", "-t", cache, "-T", "none" if direct else "writeback",
+    # -T: the scratch copy is in memory (tmpfs has no O_DIRECT); -t: the target, direct where it can be
+    run(["qemu-img", "convert", "-n", "-t", cache, "-T", "writeback",
          "--image-opts", source, "--target-image-opts", body],
         reason=Reason.write_failed, timeout=6 * 3600, poll=_poll_writes(progress),
         hint="the disk refused the write: check it, or choose another")  # fmt: skip
@@ -457,7 +458,7 @@ def write_qcow2(
     wrote = time.monotonic() - started
     readback = time.monotonic()
     blockdev.flush(target_path)
-    compared = run(["qemu-img", "compare", "-T", "none" if direct else "writeback", "--image-opts", source, body],
+    compared = run(["qemu-img", "compare", "-T", "writeback", "--image-opts", source, body],
                    reason=Reason.readback_mismatch, check=False, timeout=6 * 3600)  # fmt: skip
     if compared.returncode != 0:
         raise ImagerError(

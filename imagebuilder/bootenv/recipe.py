@@ -36,6 +36,7 @@ MODULE_DIRS = (
     "drivers/nvme",
     "drivers/virtio",
     "drivers/scsi",
+    "drivers/cdrom",
     "drivers/ata",
     "drivers/net/ethernet/intel",
     "drivers/net/ethernet/mellanox",

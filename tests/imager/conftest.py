@@ -198,11 +198,23 @@ def standard_disks() -> list[FakeDisk]:
     ]
 
 
+SHM = Path("/dev/shm")  # memory-backed (tmpfs: no O_DIRECT), as the boot environment's /run
+
+
 @dataclass
 class Machine:
     root: Path
     firmware: FirmwareDouble = field(default_factory=FirmwareDouble)
     console: io.StringIO = field(default_factory=io.StringIO)
+
+    @property
+    def scratch(self) -> Path:
+        """A tmpfs folder, as /run/nodeimager is in the boot environment (tmpfs refuses O_DIRECT)."""
+        return (
+            SHM / f"nodeimager-test-{self.root.parent.name}"
+            if SHM.is_dir()
+            else self.root / "run" / "nodeimager"
+        )
 
     def node(self, name: str) -> Path:
         return self.root / "dev" / name
@@ -212,7 +224,7 @@ class Machine:
         imaging = Imaging(params=params, inventory=SysfsInventory(self.root), firmware=self.firmware,
                           fetcher=fetcher or Fetcher(attempts=2, pause_s=0.0, timeout_s=10.0),
                           events=Events(console=self.console), keys_dir=keys_dir,
-                          scratch_dir=scratch or self.root / "run" / "nodeimager")  # fmt: skip
+                          scratch_dir=scratch or self.scratch)  # fmt: skip
         self.events = imaging.events
         return imaging.run()
 
