@@ -24,7 +24,7 @@ exactly as kubeadm's systemd drop-in would::
     kubelet --bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf --kubeconfig=/etc/kubernetes/kubelet.conf \\
       --config=/var/lib/kubelet/config.yaml $KUBELET_KUBEADM_ARGS     # from /var/lib/kubelet/kubeadm-flags.env
 
-``kubeadm reset`` through the wrapper first stops that kubelet (systemd would: ``systemctl stop kubelet``).
+``kubeadm reset`` through the wrapper first stops every kubelet it started (systemd would: ``systemctl stop kubelet``).
 """
 
 from __future__ import annotations
@@ -70,11 +70,15 @@ PATH=@BIN@:$PATH
 export PATH
 printf '%s\n' "$*" >> "$W/kubeadm-calls"
 stop_kubelet() {
-  if [ -s "$W/kubelet.pid" ] && kill -0 "$(cat "$W/kubelet.pid")" 2>/dev/null; then
-    kill "$(cat "$W/kubelet.pid")"
-    while kill -0 "$(cat "$W/kubelet.pid")" 2>/dev/null; do sleep 0.2; done
+  if [ -s "$W/kubelet.pids" ]; then
+    for pid in $(cat "$W/kubelet.pids"); do
+      if kill -0 "$pid" 2>/dev/null; then
+        kill "$pid"
+        while kill -0 "$pid" 2>/dev/null; do sleep 0.2; done
+      fi
+    done
   fi
-  rm -f "$W/kubelet.pid"
+  rm -f "$W/kubelet.pids"
 }
 case "${1:-}" in
 join)
@@ -96,7 +100,7 @@ join)
       exit 0
     fi
     . /var/lib/kubelet/kubeadm-flags.env
-    exec /bin/sh -c 'echo $$ > "$1/kubelet.pid"; shift; exec setsid "$@"' sh "$W" kubelet \
+    exec /bin/sh -c 'echo $$ >> "$1/kubelet.pids"; shift; exec setsid "$@"' sh "$W" kubelet \
       --bootstrap-kubeconfig=/etc/kubernetes/bootstrap-kubelet.conf --kubeconfig=/etc/kubernetes/kubelet.conf \
       --config=/var/lib/kubelet/config.yaml $KUBELET_KUBEADM_ARGS
   ) >> "$W/kubelet.log" 2>&1 < /dev/null &
@@ -212,16 +216,25 @@ class HostNode:
         """The next ``kubeadm join`` is SIGKILLed once it has written the kubelet's files (a crash mid-join)."""
         (self.work / "fault-kill-kubeadm-after-kubelet-start").touch()
 
-    def kubelet_pid(self) -> int | None:
+    def _kubelet_pids(self) -> list[int]:
+        """Every kubelet the wrapper started (one pid a line, in order) that is still alive."""
         try:
-            pid = int((self.work / "kubelet.pid").read_text())
+            listed = [int(p) for p in (self.work / "kubelet.pids").read_text().split()]
         except (OSError, ValueError):
-            return None
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        return pid
+            return []
+        alive = []
+        for pid in listed:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                continue
+            alive.append(pid)
+        return alive
+
+    def kubelet_pid(self) -> int | None:
+        """The running kubelet (the last one started), or None."""
+        alive = self._kubelet_pids()
+        return alive[-1] if alive else None
 
     def etc(self) -> Path:
         return self.work / "etc" / "upper"
@@ -234,15 +247,14 @@ class HostNode:
         return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
 
     def stop(self) -> None:
-        """The kubelet (its pid was written by the wrapper that started it), then containerd."""
-        pid = self.kubelet_pid()
-        if pid is not None:
+        """Every kubelet the wrapper started (their pids are in kubelet.pids), then containerd."""
+        for pid in self._kubelet_pids():
             os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 20
-            while self.kubelet_pid() is not None and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if self.kubelet_pid() is not None:
-                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while self._kubelet_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for pid in self._kubelet_pids():
+            os.kill(pid, signal.SIGKILL)
         if self._containerd is not None:
             stop(self._containerd, grace=20.0)
             self._containerd = None
