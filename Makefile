@@ -16,7 +16,7 @@ help:
 	@echo "make settings regenerate docs/settings.md and its JSON Schemas from the settings tables"
 	@echo "make bench    run the benchmarks in bench/ and print their figures"
 	@echo "make bench-build  full vs incremental image build of the fixture (VMs, root, libvirtd; minutes)"
-	@echo "make peers    build the pinned upstream test peers (interop/) into .cache/peers; a no-op when built"
+	@echo "make peers    build the pinned upstream test peers (interop/) into ~/.cache/nodetrust/peers; a no-op when built"
 	@echo "make cluster  start a real Kubernetes control plane on this machine and print its kubeconfig"
 
 deps:

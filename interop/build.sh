@@ -1,5 +1,6 @@
 #!/bin/sh
-# Build the pinned upstream test peers (never shipped) into .cache/peers/<module>-<version>-<key>/bin/.
+# Build the pinned upstream test peers (never shipped) into $NODETRUST_CACHE/peers/<module>-<version>-<key>/bin/
+# (NODETRUST_CACHE defaults to ~/.cache/nodetrust; see env.sh).
 #
 #   interop/build.sh [MODULE...]     build each module (default: every interop/*/peer.conf), or do nothing
 #                                    when the binaries for the same go.mod, go.sum and peer.conf are present
@@ -15,7 +16,7 @@ HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/.." && pwd)
 # shellcheck source=interop/env.sh
 . "$HERE/env.sh"
-PEERS=$REPO/.cache/peers
+PEERS=$NODETRUST_CACHE/peers
 if ! command -v go >/dev/null 2>&1; then
   echo "interop/build.sh: no Go toolchain: Go 1.26 must be installed in /usr/local/go (interop/README.md)" >&2
   exit 1

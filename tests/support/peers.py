@@ -6,7 +6,7 @@ Public API::
     KUBE_VERSION = "v1.36.3"
     binary(name: str) -> Path                # kubeadm, kubelet, kubectl, kube-apiserver,
                                              # kube-controller-manager, etcd
-    bin_dir(module: str) -> Path             # .cache/peers/<module>-<version>-<key>/bin
+    bin_dir(module: str) -> Path             # ~/.cache/nodetrust/peers/<module>-<version>-<key>/bin
     run(argv, *, netns=None, env=None, input=None, timeout=120.0, check=True)
         -> subprocess.CompletedProcess[str]  # stdin closed unless input; LANG=C
     spawn(argv, *, log: Path, netns=None, env=None, pass_fds=()) -> subprocess.Popen[bytes]
