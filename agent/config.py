@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from agent.errors import ConfigError, PoolProfileError
+from protocol.cmdline import kernel_params
 from protocol.errors import SpiffeIdError
 from protocol.settings import Ctx, Problem, Setting, SettingError, Table
 from protocol.settings import address as _address
@@ -321,58 +322,6 @@ def _from_file(path: Path) -> dict[str, Any]:
         if setting.name in out:
             raise ConfigError(f"{path}: {setting.key} is given twice ({raw_key!r})")
         out[setting.name] = _coerce(key, value, str(path), raw_key)
-    return out
-
-
-_KERNEL_SPACE = b" \t\n\v\f\r\xa0"  # the kernel's isspace(): lib/ctype.c marks 0xA0 as space too
-
-
-def kernel_params(data: bytes) -> list[tuple[bytes, bytes | None]]:
-    """``(param, value)`` pairs of a kernel command line, split as the kernel's ``next_arg`` does.
-
-    A parameter without ``=`` has the value None. Parsing stops at a bare ``--`` (the rest is for
-    init). The input must already be bounded (see :data:`MAX_CMDLINE_BYTES`).
-    """
-    out: list[tuple[bytes, bytes | None]] = []
-    n = len(data)
-    i = 0
-    while i < n and data[i] in _KERNEL_SPACE:
-        i += 1
-    while i < n:
-        start = i
-        quoted = in_quote = data[start] == ord('"')
-        if quoted:
-            start += 1
-        j, equals = start, -1
-        while j < n:
-            c = data[j]
-            if c in _KERNEL_SPACE and not in_quote:
-                break
-            if equals < 0 and c == ord("="):
-                equals = j
-            if c == ord('"'):
-                in_quote = not in_quote
-            j += 1
-        end = j  # the token is data[start:end]
-        last_quote = end > start and data[end - 1] == ord('"')
-        if equals < 0:
-            param, value = data[start : end - 1 if quoted and last_quote else end], None
-        else:
-            param = data[start:equals]
-            v_start, v_end = equals + 1, end
-            if v_start < end and data[v_start] == ord('"'):
-                v_start += 1
-                if last_quote:
-                    v_end = end - 1
-            if quoted and last_quote:
-                v_end = end - 1
-            value = data[v_start : max(v_start, v_end)]
-        if value is None and param == b"--":
-            break
-        out.append((param, value))
-        i = end + 1 if end < n else end
-        while i < n and data[i] in _KERNEL_SPACE:
-            i += 1
     return out
 
 
