@@ -186,7 +186,7 @@ POOL = Table(
                 text("system:bootstrappers:<name>", pattern=_GROUP),
                 "a list of system:bootstrappers:<name> groups",
             ),
-            "the token's extra groups",
+            "the token's extra groups (system:bootstrappers:kubeadm:default-node-token is always added: kubeadm join needs it)",
             (DEFAULT_GROUP,),
         ),
         Setting(
