@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "imagebuilder.commands.keygen",
     "imagebuilder.commands.verify",
     "imagebuilder.commands.release",
+    "imagebuilder.commands.bootenv",
 )
 
 
