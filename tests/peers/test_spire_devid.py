@@ -7,7 +7,8 @@ no hand-made certificate. Then:
 * nodeagent attests with that DevID to a stock spire-server (``devid_ca_path`` = nodeserver's DevID
   CA), which names it exactly as nodeserver does (SPIFFE ID and selectors compared);
 * the real spire-agent attests with it to the stock spire-server: a node enrolled by nodetrust gets its
-  workload identity from stock SPIRE with no third-party plugin;
+  workload identity from stock SPIRE with no third-party plugin; again from a private mount namespace
+  whose /dev/tpm0 is the swtpm socket, found by the agent itself (the plugin tests' trick);
 * the real spire-agent attests with it to nodeserver and stays up through several agent SVID
   rotations (nodeserver's shortest agent SVID TTL, 1m): it never exits, its health endpoints answer
   live and ready, and nodeserver's audit shows each re-attestation.
@@ -34,6 +35,7 @@ from tests.support.spire import (
     wait_for_line,
 )
 from tests.support.swtpm import LocalCa, Swtpm, manufacture, missing_tools
+from tests.support.tpm_mntns import argv_prefix
 
 TD = "example.org"
 ROTATIONS = 3
@@ -146,6 +148,26 @@ def test_spire_agent_with_the_enrolled_devid_attests_to_stock_spire_server(
         assert "Agent is healthy" in agent.healthcheck().stdout
     finally:
         assert agent.stop() == 0
+
+
+def test_spire_agent_finds_the_tpm_in_a_private_mount_namespace(
+    node: Node, spire_server: SpireServer
+) -> None:
+    """The trick the plugin tests need, checked here without the plugin: no tpm_device_path, so spire-agent
+    looks for /dev/tpmN itself and finds the swtpm socket behind the namespace's /dev/tpm0."""
+    files = node.devids["rsa"].files
+    agent = SpireAgent(
+        node.base / "agent-in-mntns",
+        TD,
+        spire_server.port,
+        node.base / "spire-bundle.pem",
+        devid_agent_attestor(None, files.cert_path, files.priv_path, files.pub_path),
+    ).start(argv_prefix=argv_prefix(node.tpm.device_path, node.base / "mntns"))
+    try:
+        assert agent.wait_attested() == node.devids["rsa"].agent_id
+    finally:
+        assert agent.stop() == 0
+    assert not Path("/dev/tpm0").exists() or Path("/dev/tpm0").resolve() != node.tpm.device_path
 
 
 def test_spire_agent_stays_healthy_against_nodeserver_through_rotations(node: Node) -> None:

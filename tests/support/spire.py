@@ -65,10 +65,12 @@ def devid_server_attestor(devid_ca: Path, endorsement_ca: Path) -> str:
     )
 
 
-def devid_agent_attestor(device: Path, cert: Path, priv: Path, pub: Path) -> str:
+def devid_agent_attestor(device: Path | None, cert: Path, priv: Path, pub: Path) -> str:
+    """``device`` None: spire-agent finds the TPM itself (the first /dev/tpmrmN, else /dev/tpmN)."""
+    dev = f"    tpm_device_path = {_q(device)}\n" if device is not None else ""
     return (
         'NodeAttestor "tpm_devid" {\n  plugin_data {\n'
-        f"    tpm_device_path = {_q(device)}\n    devid_cert_path = {_q(cert)}\n"
+        f"{dev}    devid_cert_path = {_q(cert)}\n"
         f"    devid_priv_path = {_q(priv)}\n    devid_pub_path = {_q(pub)}\n  }}\n}}\n"
     )
 
