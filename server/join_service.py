@@ -47,7 +47,7 @@ from protocol.k8s import node_name_problem
 from protocol.policy import evaluate
 from protocol.quote import NONCE_BYTES
 from protocol.report import parse_report
-from protocol.spiffe import SpiffeId, is_tpm_agent_id
+from protocol.spiffe import SpiffeId, is_agent_id
 from server import measured_boot
 from server.boundary import Call, Context, Method
 from server.errors import (
@@ -111,8 +111,8 @@ def peer_spiffe_id(context: Context, trust_domain: str) -> SpiffeId:
         spiffe_id = SpiffeId.parse(uris[0])
     except SpiffeIdError as exc:
         raise UnauthenticatedError(f"the client certificate's URI SAN is not a SPIFFE ID: {exc}") from exc
-    if not is_tpm_agent_id(spiffe_id, trust_domain):
-        raise UnauthenticatedError(f"{spiffe_id} is not a TPM-attested agent of {trust_domain}")
+    if not is_agent_id(spiffe_id, trust_domain):
+        raise UnauthenticatedError(f"{spiffe_id} is not a TPM-attested agent (tpm or tpm_devid) of {trust_domain}")
     return spiffe_id
 
 
