@@ -2,7 +2,8 @@
 the release's entry.ipxe (dhcp, chain --autofree) -> boot.ipxe -> the imager's real boot environment
 (built by imagebuilder.bootenv from pinned Debian packages) -> nodeimager verifies the release with the
 pinned key, picks the disk of two by serial, writes it, reads it back, repairs the backup GPT, seeds the
-node pool's cloud-init, creates the UEFI boot entry with efibootmgr in OVMF's NVRAM, and reboots.
+node pool's cloud-init, creates the UEFI boot entry with efibootmgr in OVMF's NVRAM, and reboots; the
+machine then boots again from that NVRAM and the firmware takes the new entry into the written disk.
 
 Every step is asserted from its own evidence: the events the imager POSTed to the release's URL, the HTTP
 server's request log, the target disk's contents (qemu-img compare against the signed image, sgdisk -v,
@@ -79,7 +80,7 @@ def release(
 ) -> Iterator[tuple[Path, dict[str, object]]]:
     work = Path(os.environ.get("TMPDIR", "/var/tmp")) / f"imager-chain-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     work.mkdir(parents=True)
-    image = _make_image(work)
+    image = _make_image(work, loader=bootenv / "vmlinuz")  # a kernel's EFI stub: a loader OVMF really runs
     build_dir = work / "build"
     build_dir.mkdir()
     shutil.copyfile(image.qcow2, build_dir / QCOW2)
@@ -102,6 +103,36 @@ def release(
     info["raw"] = str(image.raw)
     yield work, info
     shutil.rmtree(work, ignore_errors=True)
+
+
+def _disk_boot(work: Path, timeout: float = 300) -> str:
+    """Boot the same machine again, its NVRAM as the imager left it and no boot order from QEMU, so the
+    firmware follows BootOrder: the entry the imager created, on the disk it wrote."""
+    console = work / "console-2.log"
+    argv = ["qemu-system-x86_64", "-machine", "q35", "-accel", "tcg", "-m", "1024", "-display", "none",
+            "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF_CODE}",
+            "-drive", f"if=pflash,format=raw,file={work / 'vars.fd'}",
+            "-drive", f"if=none,id=d0,format=raw,file={work / 'target.img'}",
+            "-device", f"virtio-blk-pci,drive=d0,serial={TARGET}",
+            "-drive", f"if=none,id=d1,format=raw,file={work / 'other.img'}",
+            "-device", f"virtio-blk-pci,drive=d1,serial={OTHER}",
+            "-net", "none", "-serial", f"file:{console}", "-no-reboot"]  # fmt: skip
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            text = console.read_text(errors="replace") if console.exists() else ""
+            if "BdsDxe: loading " in text:
+                time.sleep(20)  # long enough for a failure to load or start it to show
+                break
+            time.sleep(2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return console.read_text(errors="replace").replace("\r", "")
 
 
 def _boot(work: Path, srv: ReleaseServer, name: str, timeout: float = 900) -> tuple[str, float]:
@@ -204,3 +235,15 @@ def test_ipxe_boots_the_imager_which_writes_the_hinted_disk_and_sets_the_boot_en
     assert f"nodetrust {info['name']}".encode("utf-16-le") in nvram
     assert esp.part_guid.bytes_le in nvram
     assert events[3]["partition"] == str(esp.part_guid) and events[3]["order"][0] == events[3]["number"][4:]
+    # the reboot: the firmware follows the new BootOrder into the loader on the written disk (a kernel's EFI
+    # stub here, which starts and, given no root, stops)
+    second = _disk_boot(work)
+    number = events[3]["number"]
+    loading = f'BdsDxe: loading {number} "nodetrust {info["name"]}" from HD({esp.number},GPT,{str(esp.part_guid).upper()},'
+    assert loading in second, second[-3000:]
+    after = second.split(loading, 1)[1]
+    assert "failed to load" not in after and "Not Found" not in after, after[-2000:]
+    assert (
+        f'BdsDxe: starting {number} "nodetrust {info["name"]}"' in after
+    )  # loaded and verified as a PE image
+    print(f"\nsecond boot, after the firmware took the entry:\n{after[:600]}")

@@ -66,7 +66,12 @@ class NodeImage:
     root_uuid: str
 
 
-def _make_image(work: Path, *, root_label: str = "cloudimg-rootfs") -> NodeImage:
+def _make_image(work: Path, *, root_label: str = "cloudimg-rootfs", loader: Path | None = None) -> NodeImage:
+    """A 64 MiB raw disk (GPT: a FAT ESP with ``EFI/BOOT/BOOTX64.EFI``, an ext4 root) and its QCOW2.
+
+    ``loader`` is the EFI application to install (a kernel with its EFI stub boots under OVMF); by
+    default 4 KiB of random bytes behind an MZ signature, enough for everything but booting it.
+    """
     for name, package in (("sfdisk", "fdisk"), ("mkfs.vfat", "dosfstools"), ("mcopy", "mtools"),
                           ("mkfs.ext4", "e2fsprogs"), ("qemu-img", "qemu-utils")):  # fmt: skip
         tool(name, package)
@@ -82,9 +87,9 @@ def _make_image(work: Path, *, root_label: str = "cloudimg-rootfs") -> NodeImage
     esp, root = work / "esp.fat", work / "root.ext4"
     sh("mkfs.vfat", "-C", "-n", "UEFI", str(esp), "16384")
     sh("mmd", "-i", str(esp), "::/EFI", "::/EFI/BOOT")
-    loader = work / "BOOTX64.EFI"
-    loader.write_bytes(b"MZ" + os.urandom(4094))
-    sh("mcopy", "-i", str(esp), str(loader), "::/EFI/BOOT/BOOTX64.EFI")
+    efi_app = work / "BOOTX64.EFI"
+    efi_app.write_bytes(loader.read_bytes() if loader is not None else b"MZ" + os.urandom(4094))
+    sh("mcopy", "-i", str(esp), str(efi_app), "::/EFI/BOOT/BOOTX64.EFI")
     tree = work / "rootfs"
     (tree / "etc").mkdir(parents=True)
     (tree / "etc" / "os-release").write_text("ID=debian\n")
