@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_for_other_vms
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -117,6 +118,7 @@ def _disk_boot(work: Path, timeout: float = 300) -> str:
             "-drive", f"if=none,id=d1,format=raw,file={work / 'other.img'}",
             "-device", f"virtio-blk-pci,drive=d1,serial={OTHER}",
             "-net", "none", "-serial", f"file:{console}", "-no-reboot"]  # fmt: skip
+    wait_for_other_vms()  # one VM at a time on the shared machine (vm-tests/conftest.py)
     proc = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
@@ -158,6 +160,7 @@ def _boot(work: Path, srv: ReleaseServer, name: str, timeout: float = 900) -> tu
             "-netdev", netdev, "-device", f"virtio-net-pci,netdev=n0,bootindex=1,romfile={ROM}",
             "-serial", f"file:{console}", "-no-reboot"]  # fmt: skip
     started = time.monotonic()
+    wait_for_other_vms()  # one VM at a time on the shared machine (vm-tests/conftest.py)
     proc = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )

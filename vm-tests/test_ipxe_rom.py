@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import wait_for_other_vms
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -100,6 +101,7 @@ def _boot(work: Path, srv: ReleaseServer, *, until: str, timeout: float = 420) -
             "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF_CODE}", "-drive", f"if=pflash,format=raw,file={vars_copy}",
             "-netdev", netdev, "-device", f"virtio-net-pci,netdev=n0,bootindex=1,romfile={ROM}",
             "-serial", f"file:{console}", "-no-reboot"]  # fmt: skip
+    wait_for_other_vms()  # one VM at a time on the shared machine (vm-tests/conftest.py)
     proc = subprocess.Popen(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
