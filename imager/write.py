@@ -268,7 +268,11 @@ class FileSink:
 def hash_disk(
     path: Path, length: int, *, what: str, console: Callable[[str, int], Progress] | None = None
 ) -> str:
-    """SHA-256 of the first ``length`` bytes of ``path``, read from the disk (not the page cache)."""
+    """SHA-256 of the first ``length`` bytes of ``path``, read from the disk (not the page cache).
+
+    A reader thread fills aligned buffers with ``O_DIRECT`` reads while this thread hashes the previous
+    one, so reading and hashing overlap as writing and hashing do.
+    """
     blockdev.flush(path)
     digest = hashlib.sha256()
     progress = console(what, length) if console else None
@@ -276,32 +280,56 @@ def hash_disk(
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
     except OSError:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    buf = aligned_buffer(CHUNK)
-    view = memoryview(buf)
-    offset = 0
-    try:
-        while offset < length:
-            want = min(CHUNK, length - offset)
-            rounded = -(-want // ALIGN) * ALIGN
-            got = os.preadv(fd, [view[:rounded]], offset)
-            if got < want:
+    free: queue.Queue[mmap.mmap] = queue.Queue()
+    for _ in range(DEPTH):
+        free.put(aligned_buffer(CHUNK))
+    full: queue.Queue[tuple[mmap.mmap, int] | BaseException | None] = queue.Queue()
+    stop = threading.Event()
+
+    def reader() -> None:
+        offset = 0
+        try:
+            while offset < length and not stop.is_set():
+                buf = free.get()
+                want = min(CHUNK, length - offset)
+                got = os.preadv(fd, [memoryview(buf)[: -(-want // ALIGN) * ALIGN]], offset)
                 if got <= 0:
-                    raise ImagerError(
-                        Reason.readback_mismatch, f"{path}: reading back stopped at byte {offset}"
+                    full.put(
+                        ImagerError(
+                            Reason.readback_mismatch, f"{path}: reading back stopped at byte {offset}"
+                        )
                     )
-                want = min(want, got)
-            digest.update(view[:want])
-            offset += want
+                    return
+                got = min(want, got)
+                full.put((buf, got))
+                offset += got
+            full.put(None)
+        except OSError as exc:
+            full.put(
+                ImagerError(
+                    Reason.write_failed, f"{path}: reading back failed at byte {offset}: {exc.strerror}"
+                )
+            )
+
+    thread = threading.Thread(target=reader, name="imager-readback", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = full.get()
+            if item is None:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            buf, got = item
+            digest.update(memoryview(buf)[:got])
+            free.put(buf)
             if progress is not None:
-                progress.update(want)
-    except OSError as exc:
-        raise ImagerError(
-            Reason.write_failed, f"{path}: reading back failed at byte {offset}: {exc.strerror}"
-        ) from None
+                progress.update(got)
     finally:
+        stop.set()
+        free.put(aligned_buffer(ALIGN))  # unblock a reader waiting for a buffer
+        thread.join(timeout=60)
         os.close(fd)
-        view.release()
-        buf.close()
     if progress is not None:
         progress.finish()
     return digest.hexdigest()
