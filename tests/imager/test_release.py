@@ -2,7 +2,7 @@
 the pinned key, whose image lands on the hinted disk with the node-pool cloud-init in a CIDATA seed.
 
 Oracles: cloud-init's own ``schema`` command (Debian's package, unpacked), the real ``kubeadm config
-validate`` (the peers build), blkid and mtools reading the seed partition back.
+validate`` (the peers build; that test is in the peers tier), blkid and mtools reading the seed back.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def _kubeadm() -> str:
 def _release(
     tmp_path: Path, build: Path, keys: dict[str, Keys], server: ReleaseServer, *extra: str
 ) -> subprocess.CompletedProcess[str]:
+    """``imagebuilder release`` as an operator runs it (``extra``: more flags, e.g. ``--kubeadm PATH``)."""
     imager = tmp_path / "imager-env"
     imager.mkdir(exist_ok=True)
     (imager / "vmlinuz").write_bytes(b"MZ kernel stand-in")
@@ -51,7 +52,7 @@ def _release(
             "--key", str(keys["release"].key), "--out", str(tmp_path / "srv"), "--base-url", f"{server.url}/",
             "--imager", str(imager), "--pool", "h200", "--server", "10.0.2.2:8081", "--trust-domain", "nodetrust.test",
             "--bundle", str(bundle), "--ntp", "10.0.2.2", "--control-plane-endpoint", "cp.nodetrust.test:6443",
-            "--kubeadm", _kubeadm(), "--hint", "model=fixture_nvme*", "--events-url", f"{server.url}/events",
+            "--hint", "model=fixture_nvme*", "--events-url", f"{server.url}/events",
             "--raw", "--json", *extra]  # fmt: skip
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600, check=False)
 
@@ -131,12 +132,6 @@ def test_cloud_init_schema_and_our_checks_refuse_what_they_should(
         cloudinit.check_kubeadm(
             [{"apiVersion": "kubeadm.k8s.io/v1beta3", "kind": "JoinConfiguration"}], ["JoinConfiguration"]
         )
-    broken = tmp_path / "kubeadm.yaml"
-    broken.write_text(
-        "apiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration\nkubernetesVersion: banana\n"
-    )
-    with pytest.raises(BuildError, match="kubeadm config validate"):
-        cloudinit.validate_kubeadm(broken, _kubeadm())
 
 
 def test_the_imager_writes_a_release_and_seeds_its_node_pool_cloud_init(
@@ -186,3 +181,21 @@ def test_the_imager_writes_a_release_and_seeds_its_node_pool_cloud_init(
         "done",
     ]
     assert server.recorder.events[1]["disk"]["serial"] == TARGET_SERIAL
+
+
+@pytest.mark.peers
+def test_the_real_kubeadm_accepts_the_control_plane_documents_and_refuses_a_broken_one(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """``imagebuilder release --kubeadm``: `kubeadm config validate` (the peers' kubeadm v1.36.3) on both."""
+    made = _release(
+        tmp_path, build_folder(raw=False, name="node-build"), keys, server, "--kubeadm", _kubeadm()
+    )
+    assert made.returncode == 0, made.stderr
+    broken = tmp_path / "kubeadm.yaml"
+    broken.write_text(
+        "apiVersion: kubeadm.k8s.io/v1beta4\nkind: ClusterConfiguration\nkubernetesVersion: banana\n"
+    )
+    with pytest.raises(BuildError, match="kubeadm config validate"):
+        cloudinit.validate_kubeadm(broken, _kubeadm())
