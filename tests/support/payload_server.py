@@ -1,11 +1,21 @@
 """Fixture payloads for the image builder, served from a loopback HTTP server.
 
-Stand-ins (small, deterministic, with real SHA-256 pins) for what a node image stages:
+Small, deterministic payloads with real SHA-256 pins for what a node image stages:
 
-* Kubernetes: for each version, kubeadm, kubelet and kubectl debs built with dpkg-deb,
-  plus their dependencies cri-tools and kubernetes-cni, in flat apt repositories laid out
-  like pkgs.k8s.io (``/k8s/core:/stable:/v1.36/deb/{InRelease,Packages,amd64/*.deb}``),
-  ``InRelease`` clear-signed with the fixture test key;
+* Kubernetes: for each version, kubeadm, kubelet and kubectl debs built with dpkg-deb, plus their
+  dependencies cri-tools and kubernetes-cni, in flat apt repositories laid out like pkgs.k8s.io
+  (``/k8s/core:/stable:/v1.36/deb/{InRelease,Packages,amd64/*.deb}``), ``InRelease`` clear-signed with
+  the fixture test key. With ``real_kubernetes=True`` (the VM tier and ``make demo``) the debs hold the
+  real kubeadm, kubelet, kubectl and crictl that ``make peers`` builds, in the upstream packages'
+  layout with kubeadm's systemd drop-in (:mod:`tests.support.kube_debs` says exactly what each version's
+  binaries are); otherwise (the fast tier) shell scripts that say they are stand-ins;
+* OCI image archives imported by the image's containerd at build time: the sandbox image
+  ``registry.k8s.io/pause:3.10.2`` (``/images/pause/3.10.2/``, pause compiled from Kubernetes v1.36.3's
+  source when ``real_kubernetes``), and stand-in images for kube-proxy (laid out like dl.k8s.io:
+  ``/k8s-release/v1.36.3/bin/linux/amd64/kube-proxy.tar`` and ``.tar.sha256``) and OVN-Kubernetes (in the
+  signed ``SHA256SUMS`` of its release) (:mod:`tests.support.oci_images`);
+* ``/nvidia/deb/``: a signed flat apt repository of stand-ins for the NVIDIA stack, named ``*-standin``
+  (:mod:`tests.support.nvidia_standins`), the kernel modules built for ``kernel``;
 * SPIRE agent 1.14.1 and the TPM attestor plugin 1.9.0: tarballs with the checksum files
   their projects publish (unsigned);
 * OVN-Kubernetes 2.4.2: a tarball with a ``SHA256SUMS`` and a detached OpenPGP signature;
@@ -13,14 +23,14 @@ Stand-ins (small, deterministic, with real SHA-256 pins) for what a node image s
   for the VM tests of the builder's diagnoses: ``nodetrust-fixture-fails`` (its postinst
   exits 1) and ``nodetrust-fixture-hangs`` (its postinst sleeps forever, silently).
 
-Every binary is a shell script that says it is a stand-in. The signing key is a test key
+Every stand-in binary says that it is a stand-in. The signing key is a test key
 (``tests/support/data/fixture-payload-signing.secret.asc``; its public half is
 ``examples/keys/fixture-payload-signing.asc``): never trust it for anything else.
 
 :class:`PayloadServer` serves a payload tree with ``Range`` support and can tamper with,
 truncate or fail a path on demand (the tests' way to corrupt a download).
 
-    python -m tests.support.payload_server [--root DIR] [--port 8765]
+    python -m tests.support.payload_server [--root DIR] [--port 8765] [--stand-ins] [--kernel RELEASE]
 
 builds the tree (once) and serves it, for ``imagebuilder build examples/fixture-node.yaml``.
 """
@@ -43,13 +53,18 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests.support import kube_debs, nvidia_standins, oci_images
+
 REPO = Path(__file__).resolve().parents[2]
 SECRET_KEY = Path(__file__).resolve().parent / "data" / "fixture-payload-signing.secret.asc"
 PUBLIC_KEY = REPO / "examples" / "keys" / "fixture-payload-signing.asc"
 DEFAULT_ROOT = REPO / ".cache" / "imagebuilder-payloads"
 DEFAULT_PORT = 8765
 EPOCH = 1767225600  # 2026-01-01T00:00:00Z, every mtime in the payloads
-FORMAT = "4"  # bump when the payloads change
+FORMAT = "5"  # bump when the payloads change
+DEFAULT_KERNEL = (
+    "6.1.0-50-amd64"  # the fixture installer's kernel when none is given (build.json's "kernel")
+)
 
 KUBERNETES_VERSIONS = ("1.34.2", "1.35.3", "1.36.3", "1.37.2")
 DEB_REVISION = "1.1"
@@ -57,6 +72,8 @@ KUBERNETES_CNI = "1.7.1"
 SPIRE_VERSION = "1.14.1"
 TPM_PLUGIN_VERSION = "1.9.0"
 OVNK_VERSION = "2.4.2"
+OVNK_IMAGE = f"ghcr.io/ovn-kubernetes/ovn-kubernetes/ovn-kube-ubuntu:v{OVNK_VERSION}"
+KUBE_PROXY_IMAGE = "registry.k8s.io/kube-proxy:v1.36.3"
 
 
 def _standin(name: str, version: str) -> bytes:
@@ -73,10 +90,12 @@ def _deb(
     out: Path,
     name: str,
     version: str,
-    files: dict[str, bytes],
+    files: dict[str, kube_debs.Content],
     depends: str = "",
     arch: str = "amd64",
     postinst: str = "",
+    description: str = "",
+    compression: str = "xz",
 ) -> Path:
     with tempfile.TemporaryDirectory(prefix="payload-deb-") as tmp:
         root = Path(tmp) / "root"
@@ -85,7 +104,7 @@ def _deb(
             f"Package: {name}\nVersion: {version}\nArchitecture: {arch}\n"
             "Maintainer: nodetrust tests <tests@nodetrust.invalid>\n"
             + (f"Depends: {depends}\n" if depends else "")
-            + f"Description: {name} stand-in (nodetrust fixture payload, not the real package)\n"
+            + f"Description: {description or f'{name} stand-in (nodetrust fixture payload, not the real package)'}\n"
         )
         (root / "DEBIAN" / "control").write_text(control)
         if postinst:
@@ -94,7 +113,13 @@ def _deb(
         for rel, data in files.items():
             path = root / rel.lstrip("/")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(data)
+            if isinstance(data, kube_debs.Link):
+                path.symlink_to(data.target)
+                continue
+            if isinstance(data, Path):
+                shutil.copyfile(data, path)
+            else:
+                path.write_bytes(data)
             path.chmod(0o755 if rel.startswith(("/usr/bin/", "/usr/sbin/")) else 0o644)
         for path in sorted(root.rglob("*"), reverse=True):
             os.utime(path, (EPOCH, EPOCH), follow_symlinks=False)
@@ -103,7 +128,7 @@ def _deb(
         deb = out / f"{name}_{version}_{arch}.deb"
         env = {**os.environ, "SOURCE_DATE_EPOCH": str(EPOCH)}
         subprocess.run(
-            ["dpkg-deb", "--root-owner-group", "-Zxz", "--build", str(root), str(deb)],
+            ["dpkg-deb", "--root-owner-group", f"-Z{compression}", "--build", str(root), str(deb)],
             check=True,
             capture_output=True,
             env=env,
@@ -209,10 +234,17 @@ def _signing_home() -> Iterator[Path]:
 # -- the tree ------------------------------------------------------------------------------------------------
 
 
-def build_payloads(root: Path) -> Path:
-    """Build the payload tree under ``root`` (once per FORMAT) and return ``root``."""
+def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = DEFAULT_KERNEL) -> Path:
+    """Build the payload tree under ``root`` (once per FORMAT, kind and kernel) and return ``root``.
+
+    ``real_kubernetes``: the Kubernetes debs hold the real binaries from ``make peers`` and the pause image
+    is built from Kubernetes' source (:class:`tests.support.peers.PeerError` names ``make peers`` when they
+    are missing); ``kernel``: the kernel release the NVIDIA stand-in modules are built for (the fixture
+    installer's ``build.json`` ``kernel``).
+    """
+    recipe = f"{FORMAT} {'real' if real_kubernetes else 'stand-in'} {kernel}"
     stamp = root / ".complete"
-    if stamp.is_file() and stamp.read_text().strip() == FORMAT:
+    if stamp.is_file() and stamp.read_text().strip() == recipe:
         return root
     work = root.with_name(root.name + f".build-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
@@ -224,36 +256,67 @@ def build_payloads(root: Path) -> Path:
                 repo = work / "k8s" / f"core:/stable:/v{minor}" / "deb"
                 debs = repo / "amd64"
                 deb_version = f"{version}-{DEB_REVISION}"
-                cri = f"{minor}.0-{DEB_REVISION}"
-                _deb(debs, "cri-tools", cri, {"/usr/bin/crictl": _standin("crictl", f"{minor}.0")})
-                _deb(
-                    debs,
-                    "kubernetes-cni",
-                    f"{KUBERNETES_CNI}-{DEB_REVISION}",
-                    {"/opt/cni/bin/bridge": _standin("cni bridge", KUBERNETES_CNI)},
-                )
-                _deb(debs, "kubectl", deb_version, {"/usr/bin/kubectl": _standin("kubectl", f"v{version}")})
-                _deb(
-                    debs,
-                    "kubelet",
-                    deb_version,
-                    {
-                        "/usr/bin/kubelet": _standin("kubelet", f"v{version}"),
-                        "/usr/lib/systemd/system/kubelet.service": (
-                            b"[Unit]\nDescription=kubelet stand-in (nodetrust fixture)\n\n"
-                            b"[Service]\nExecStart=/usr/bin/kubelet\n\n[Install]\nWantedBy=multi-user.target\n"
-                        ),
-                    },
-                    depends="kubernetes-cni (>= 1.2.0)",
-                )
+                cri = f"{minor}.0"
+                # Real binaries are tens of MB: gzip unpacks several times faster than xz under emulation.
+                big = "gzip" if real_kubernetes else "xz"
+
+                def files(package: str, upstream: str, what: str) -> dict[str, kube_debs.Content]:
+                    return kube_debs.package_files(
+                        package, upstream, real=real_kubernetes, standin=_standin(what, upstream)
+                    )
+
+                def about(package: str) -> str:
+                    if not real_kubernetes:
+                        return ""
+                    return f"{package} for the nodetrust fixture image, from the test peers (tests/support/kube_debs.py)"
+
+                _deb(debs, "cri-tools", f"{cri}-{DEB_REVISION}", files("cri-tools", cri, "crictl"),
+                     compression=big, description=about("cri-tools"))  # fmt: skip
+                _deb(debs, "kubernetes-cni", f"{KUBERNETES_CNI}-{DEB_REVISION}",
+                     files("kubernetes-cni", KUBERNETES_CNI, "cni bridge"), description=about("kubernetes-cni"))  # fmt: skip
+                _deb(debs, "kubectl", deb_version, files("kubectl", version, "kubectl"), compression=big,
+                     description=about("kubectl"))  # fmt: skip
+                _deb(debs, "kubelet", deb_version, files("kubelet", version, "kubelet"),
+                     depends="kubernetes-cni (>= 1.2.0)", compression=big, description=about("kubelet"))  # fmt: skip
                 _deb(
                     debs,
                     "kubeadm",
                     deb_version,
-                    {"/usr/bin/kubeadm": _standin("kubeadm", f"v{version}")},
+                    files("kubeadm", version, "kubeadm"),
                     depends=f"kubelet (>= {minor}.0), kubectl (>= {minor}.0), cri-tools (>= {minor}.0)",
+                    compression=big,
+                    description=about("kubeadm"),
                 )
                 _flat_repo(repo, home)
+
+            nvidia = work / "nvidia" / "deb"
+            for package in nvidia_standins.packages(kernel):
+                _deb(nvidia / "amd64", package.name, package.version, dict(package.files),
+                     depends=package.depends, description=package.description)  # fmt: skip
+            _flat_repo(nvidia, home)
+
+            pause = work / "images" / "pause" / oci_images.PAUSE_VERSION
+            pause_tar = pause / f"pause-{oci_images.PAUSE_VERSION}-linux-amd64.tar"
+            if real_kubernetes:
+                oci_images.pause_archive(pause_tar)
+            else:
+                oci_images.standin_archive(
+                    pause_tar, oci_images.PAUSE_REF, "pause", oci_images.PAUSE_VERSION
+                )
+            (pause / "SHA256SUMS").write_text(_sums([pause_tar]))
+            _gpg(
+                home,
+                "--detach-sign",
+                "--armor",
+                "--output",
+                str(pause / "SHA256SUMS.asc"),
+                str(pause / "SHA256SUMS"),
+            )
+            proxy = work / "k8s-release" / "v1.36.3" / "bin" / "linux" / "amd64"
+            proxy_tar = oci_images.standin_archive(
+                proxy / "kube-proxy.tar", KUBE_PROXY_IMAGE, "kube-proxy", "v1.36.3"
+            )
+            (proxy / "kube-proxy.tar.sha256").write_text(hashlib.sha256(proxy_tar.read_bytes()).hexdigest())
 
             extras = work / "extras" / "deb"
             _deb(
@@ -299,7 +362,10 @@ def build_payloads(root: Path) -> Path:
                     f"ovn-kubernetes-{OVNK_VERSION}/manifests/ovnkube-node.yaml": b"# ovnkube-node manifest stand-in\n",
                 },
             )
-            (ovnk / "SHA256SUMS").write_text(_sums([ovnk_tar]))
+            ovnk_image = oci_images.standin_archive(
+                ovnk / f"ovn-kube-image-{OVNK_VERSION}-linux-amd64.tar", OVNK_IMAGE, "ovnkube", OVNK_VERSION
+            )
+            (ovnk / "SHA256SUMS").write_text(_sums([ovnk_tar, ovnk_image]))
             _gpg(
                 home,
                 "--detach-sign",
@@ -308,7 +374,7 @@ def build_payloads(root: Path) -> Path:
                 str(ovnk / "SHA256SUMS.asc"),
                 str(ovnk / "SHA256SUMS"),
             )
-        (work / ".complete").write_text(FORMAT + "\n")
+        (work / ".complete").write_text(recipe + "\n")
         shutil.rmtree(root, ignore_errors=True)
         work.rename(root)
     finally:
@@ -431,8 +497,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"loopback port (default: {DEFAULT_PORT})"
     )
+    parser.add_argument("--stand-ins", action="store_true",
+                        help="stand-in scripts for kubeadm, kubelet, kubectl and crictl (no `make peers` needed)")  # fmt: skip
+    parser.add_argument(
+        "--kernel", default=DEFAULT_KERNEL, help="kernel release for the NVIDIA stand-in modules"
+    )
     args = parser.parse_args(argv)
-    build_payloads(args.root)
+    build_payloads(args.root, real_kubernetes=not args.stand_ins, kernel=args.kernel)
     server = PayloadServer(args.root, args.port)
     print(f"serving fixture payloads from {args.root} at {server.url} (Ctrl-C stops)", flush=True)
     try:
