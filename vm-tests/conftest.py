@@ -68,10 +68,12 @@ def wait_for_other_vms(timeout: float = OTHER_VM_WAIT_S) -> None:
     """The machine is shared: wait while someone else's QEMU runs (one VM at a time)."""
     deadline = time.monotonic() + timeout
     while True:
-        found = subprocess.run(["ps", "-eo", "pid=,stat=,comm="], capture_output=True, text=True, check=False)
+        found = subprocess.run(
+            ["ps", "-eo", "pid=,stat=,comm="], capture_output=True, text=True, check=False
+        )
         others = []
         for line in found.stdout.splitlines():
-            pid, stat, comm = (line.split(None, 2) + ["", "", ""])[:3]
+            pid, stat, comm = ([*line.split(None, 2), "", "", ""])[:3]
             # A zombie (state Z) is a QEMU that has exited and not been reaped: it holds no CPU.
             if comm.startswith("qemu-system") and not stat.startswith("Z") and int(pid) != os.getpid():
                 others.append(pid)
