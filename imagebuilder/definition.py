@@ -15,7 +15,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ import yaml
 
 from imagebuilder import schemacheck
 from imagebuilder.errors import DefinitionError
+from imagebuilder.nodespec import NodeSpec, node_spec
 
 SCHEMA_RESOURCE = "definition.schema.json"
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -228,6 +229,7 @@ class Definition:
     user: User | None
     ssh: Ssh
     watchdog: Watchdog
+    node: NodeSpec = field(default_factory=NodeSpec)  # host, container_runtime, gpu (imagebuilder.nodespec)
 
     @property
     def disk_size_bytes(self) -> int:
@@ -396,6 +398,13 @@ def _resolve(path: Path, raw: bytes, data: dict[str, Any]) -> Definition:
         raise DefinitionError(f"artifacts: names must be unique; repeated: {', '.join(duplicates)}")
     agent = data["agent"]
     user = data.get("user")
+    node = node_spec(base, data, {a.name: a.kind for a in artifacts})
+    packages = [
+        PackageRequest(p) if isinstance(p, str) else PackageRequest(p["name"], p.get("version"))
+        for p in data.get("packages", ())
+    ]
+    listed = {p.name for p in packages}
+    packages += [PackageRequest(name) for name in node.packages if name not in listed]
     return Definition(
         path=path,
         file_sha256=hashlib.sha256(raw).hexdigest(),
@@ -418,10 +427,7 @@ def _resolve(path: Path, raw: bytes, data: dict[str, Any]) -> Definition:
         apt_sources=tuple(
             _repository(base, s, f"source{i}") for i, s in enumerate(data.get("apt_sources", ()))
         ),
-        packages=tuple(
-            PackageRequest(p) if isinstance(p, str) else PackageRequest(p["name"], p.get("version"))
-            for p in data.get("packages", ())
-        ),
+        packages=tuple(packages),
         kubernetes=kubernetes,
         artifacts=artifacts,
         agent=Agent(
@@ -452,4 +458,5 @@ def _resolve(path: Path, raw: bytes, data: dict[str, Any]) -> Definition:
             allow_password=bool(data.get("ssh", {}).get("allow_password", False)),
         ),
         watchdog=Watchdog(**data.get("watchdog", {})),
+        node=node,
     )

@@ -41,7 +41,9 @@ def test_the_examples_load() -> None:
     assert fixture.kubernetes.installed == "1.36.3"
     assert fixture.kubernetes.staged == ("1.34.2", "1.35.3", "1.37.2")
     assert fixture.kubernetes.repository_for("1.35.3").url.endswith("/k8s/core:/stable:/v1.35/deb/")
-    assert {a.name for a in fixture.artifacts} == {"ovn-kubernetes", "spire-agent", "spire-tpm-plugin"}
+    assert {a.name for a in fixture.artifacts} == {
+        "ovn-kubernetes", "spire-agent", "spire-tpm-plugin", "pause-image", "kube-proxy-image", "ovn-kubernetes-image"
+    }  # fmt: skip
     assert fixture.agent.source == REPO
     ubuntu = load_definition(REPO / "examples/ubuntu-2404-node.yaml", environ={})
     assert ubuntu.target.python == "3.12"
