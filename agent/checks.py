@@ -10,8 +10,10 @@ import logging
 import time
 from datetime import UTC, datetime
 from importlib import metadata
+from pathlib import Path
 
-from agent import node
+from agent import kubeversion, node
+from agent.errors import KubernetesVersionError
 from agent.gpu import observe
 from agent.host import Host
 from protocol.policy import PoolPolicy, assess
@@ -27,15 +29,37 @@ def agent_version() -> str:
         return "0+unknown"
 
 
-def collect(host: Host) -> list[Observation]:
-    return observe.collect(host) + node.collect(host)
+def collect(
+    host: Host, *, will_run: str | None = None, carried: list[str] | None = None
+) -> list[Observation]:
+    return observe.collect(host) + node.collect(host, will_run=will_run, carried=carried)
 
 
-def run_checks(policy: PoolPolicy, host: Host | None = None) -> Report:
+def run_checks(
+    policy: PoolPolicy,
+    host: Host | None = None,
+    *,
+    selected_kubernetes: str = "",
+    image_info: Path | None = None,
+) -> Report:
+    """Every check under ``policy``. The ``node.kubelet`` skew check judges the Kubernetes version the node
+    will run at its join (:func:`agent.kubeversion.predict`: ``selected_kubernetes``, a version an earlier
+    join answer chose, else the carried version of the pool's control-plane minor), when the image says what
+    it carries (``image_info``, default the image's /etc/nodetrust/image.json under the host root)."""
     host = host or Host()
     started = time.monotonic()
     collected_at = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    observations = collect(host)
+    try:
+        image = kubeversion.carried(image_info or host.path(str(kubeversion.IMAGE_INFO)))
+    except KubernetesVersionError as exc:
+        log.warning("the skew check judges the installed kubelet: %s", exc.message)
+        image = None
+    will_run = None
+    if image is not None:
+        will_run = kubeversion.predict(
+            image, selected=selected_kubernetes, control_plane=policy.control_plane_version or ""
+        )
+    observations = collect(host, will_run=will_run, carried=image.versions if image is not None else None)
     checks, verdict = assess(observations, policy)
     hostname = next(
         (str(o.observations.get("hostname") or "") for o in observations if o.name == "node.hostname"), ""

@@ -82,6 +82,7 @@ class AgentConfig:
     reattest_before_s: float = 600.0  # re-attest when the SVID has less than this left
     timeout_s: float = 60.0  # per network exchange
     event_log: str = "/sys/kernel/security/tpm0/binary_bios_measurements"  # the firmware's TCG event log
+    image_info: str = "/etc/nodetrust/image.json"  # what the image carries (agent.kubeversion)
 
     @property
     def join_address(self) -> str:
@@ -212,6 +213,12 @@ TABLE = Table(
             "the firmware's TCG event log, sent with the TPM quote to pools that check measured boot",
             "/sys/kernel/security/tpm0/binary_bios_measurements",
         ),
+        Setting(
+            "image_info",
+            _PATH,
+            "what the node image carries (its Kubernetes versions: installed, staged), written by imagebuilder",
+            "/etc/nodetrust/image.json",
+        ),
     ),
     env_prefix=ENV_PREFIX,
     cmdline_prefix=CMDLINE_PREFIX,
@@ -232,7 +239,7 @@ COMMAND_SETTINGS: Mapping[str, tuple[str, ...]] = {
         "state_dir",
         "timeout_s",
     ),
-    "check": ("pool_profile", "pool"),
+    "check": ("pool_profile", "pool", "image_info", "state_dir"),
     "reattest": (
         "server",
         "join_server",

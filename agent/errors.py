@@ -286,6 +286,11 @@ class JoinConfigError(KubeadmError):
     action = Action.STEP
 
 
+class KubernetesVersionError(JoinConfigError):
+    """The join answer's Kubernetes version is one this image does not carry, or one the pool's skew policy
+    refuses for this node (agent.kubeversion); nothing was installed."""
+
+
 class StateError(AgentError):
     """The agent's state directory is unusable or a file in it is corrupt."""
 

@@ -22,6 +22,11 @@ crash or a reboot resumes at the right place:
   failure in preflight (which writes nothing), so the next try runs ``kubeadm reset -f`` first when,
   and only when, an earlier try of its own may have left something. Never after a success: a joined
   node (the marker, ``/etc/kubernetes/kubelet.conf``) ends the run before any of this;
+* the join answer's Kubernetes version selects what runs (agent.kubeversion): before ``kubeadm join`` the
+  agent installs that version's staged debs offline and holds them, or refuses a version the image does
+  not carry (``KubernetesVersionError``, permanent, nothing installed); the version is kept in the state
+  (``kubernetes_version``), so ``nodeagent status`` shows it and the next verification's skew check
+  judges it;
 * after ``kubeadm join`` succeeds the agent reports it to the broker
   (Join.ReportJoined), which revokes the token at once; a failed report is
   logged and retried a few times, and never undoes the join.
@@ -109,16 +114,19 @@ class Lifecycle:
         clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
         kubelet_conf: Path = KUBELET_CONF,
+        image_info: Path | None = None,
     ) -> None:
         self.config = config
         self.sleep = sleep
         self.clock = clock
         self.rng = rng or random.Random()  # noqa: S311 - jitter, not cryptography
         self.kubelet_conf = kubelet_conf
+        self.image_info = image_info or Path(config.image_info)  # what the image carries (agent.kubeversion)
         self.states = StateStore(Path(config.state_dir))
         self.svids = SvidStore(Path(config.state_dir))
         self._report: bytes = b""
         self._grant: object = None
+        self._policy: object = None
         self._force_attest = False  # the broker no longer knows the SVID: attest even while it is valid
         self._attested_again = False  # ATTEST_AGAIN is honoured once a run
 
@@ -314,7 +322,9 @@ class Lifecycle:
         spec = self.config.pool_profile or (
             "/etc/nodeagent/pool.yaml" if Path("/etc/nodeagent/pool.yaml").is_file() else self.config.pool
         )
-        report = run_checks(load_pool(spec))
+        policy = load_pool(spec)
+        self._policy = policy
+        report = run_checks(policy, selected_kubernetes=state.kubernetes_version, image_info=self.image_info)
         self._report = canonical_json(report)
         state.verdict = "pass" if report.verdict.passed else "fail"
         if not report.verdict.passed:
@@ -386,6 +396,7 @@ class Lifecycle:
             cri_socket=self.config.cri_socket,
         )
         public_id = token_id(grant.token)
+        self._kubernetes_version(state, grant.kubernetes_version)
         self._undo_unfinished_join()
         path = Path(self.config.join_config)
         ensure_private_dir(path.parent, what="folder of the join configuration")
@@ -408,6 +419,61 @@ class Lifecycle:
         unfinished.unlink(missing_ok=True)
         self.report_joined(public_id)
         return Step.JOINED
+
+    def _kubernetes_version(self, state: State, answer: str) -> None:
+        """Make the answer's Kubernetes version the installed one (agent.kubeversion), or refuse it."""
+        from agent import kubeversion
+        from agent.errors import KubernetesVersionError
+
+        image = kubeversion.carried(self.image_info)
+        if image is None:
+            log.info(
+                "the image says nothing of the Kubernetes versions it carries: the installed kubelet runs"
+            )
+            return
+        version = kubeversion.select(answer, image)
+        predicted = kubeversion.predict(
+            image,
+            selected=state.kubernetes_version,
+            control_plane=getattr(self._policy, "control_plane_version", None) or "",
+        )
+        if version != predicted:
+            # The verification judged another version: judge this one under the same skew rule before installing.
+            problem = self._skew_problem(version, image)
+            if problem:
+                raise KubernetesVersionError(
+                    f"the join answer asks for Kubernetes {version}, which the pool's skew policy refuses for this "
+                    f"node: {problem}: nothing was installed",
+                    hint="make the pool's kubernetes_version and its profile's node.control_plane_version agree",
+                )
+        if state.kubernetes_version != version:
+            state.kubernetes_version = version
+            self.states.save(state)
+        kubeversion.activate(version, image)
+
+    def _skew_problem(self, version: str, image: object) -> str:
+        """Why ``node.kubelet`` would fail with ``version`` running (empty: it passes)."""
+        from agent.kubeversion import Carried
+        from protocol.policy import PoolPolicy, assess
+        from protocol.report import JsonValue, Observation, Status
+
+        if not isinstance(self._policy, PoolPolicy) or not isinstance(image, Carried):
+            return ""
+        carried: list[JsonValue] = list(image.versions)
+        observed = Observation(
+            "node.kubelet",
+            "`kubelet --version`",
+            {
+                "version": version,
+                "raw": f"Kubernetes v{version}",
+                "error": None,
+                "will_run": version,
+                "carried": carried,
+            },
+        )
+        checks, _ = assess([observed], self._policy)
+        check = next(c for c in checks if c.name == "node.kubelet")
+        return check.reason if check.status is Status.FAIL else ""
 
     @property
     def _unfinished_marker(self) -> Path:

@@ -68,6 +68,8 @@ class State:
     spiffe_id: str = ""
     verdict: str = ""
     joined_at: float = 0.0
+    # The Kubernetes version the join answer selected and the agent made the installed one (agent.kubeversion).
+    kubernetes_version: str = ""
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> bytes:
@@ -136,6 +138,7 @@ _STATE_KEYS: dict[str, _Check] = {
     "spiffe_id": (_is_str, "a string"),
     "verdict": (_is_str, "a string"),
     "joined_at": (_is_number, "a number"),
+    "kubernetes_version": (_is_str, "a string"),
     "history": (_is_history, "a list of objects with plain values"),
 }
 _ERROR_KEYS: dict[str, _Check] = {

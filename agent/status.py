@@ -58,6 +58,7 @@ def status_doc(state_dir: Path, *, now: float | None = None) -> dict[str, Any]:
         "svid_expires": None,
         "svid_expired": None,
         "last_verification": None,
+        "kubernetes_version": None,
         "updated_at": None,
         "last_error": None,
         "state_error": None,
@@ -81,6 +82,7 @@ def status_doc(state_dir: Path, *, now: float | None = None) -> dict[str, Any]:
         doc["svid_expires"] = _iso(state.svid_expires_at)
         doc["svid_expired"] = state.svid_expires_at <= now
     doc["last_verification"] = state.verdict or None
+    doc["kubernetes_version"] = state.kubernetes_version or None
     doc["updated_at"] = _iso(state.updated_at) if state.updated_at else None
     if state.last_error is not None and not doc["joined"]:
         doc["last_error"] = _error_doc(state.last_error, state.attempts)
@@ -107,6 +109,8 @@ def _lines(state: State, joined: bool) -> list[str]:
                      + (" (expired)" if left <= 0 else f" (in {left / 60:.0f} min)"))  # fmt: skip
     if state.verdict:
         lines.append(f"last verification: {state.verdict}")
+    if state.kubernetes_version:
+        lines.append(f"kubernetes: {state.kubernetes_version} (the join answer's, installed and held)")
     if state.updated_at:
         lines.append(f"updated: {time.strftime('%Y-%m-%d %H:%M:%SZ', time.gmtime(state.updated_at))}")
     if state.last_error is not None and not joined:

@@ -13,6 +13,7 @@ setting from the same layers ``nodeagent run`` reads, else /etc/nodeagent/pool.y
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -21,9 +22,10 @@ from typing import Any
 
 from agent.checks import run_checks
 from agent.config import add_arguments, config_for
-from agent.errors import CheckError, ConfigError
+from agent.errors import AgentError, CheckError, ConfigError
 from agent.host import Host
 from agent.pool import load_pool
+from agent.state import StateStore
 from protocol.report import Report, Status, canonical_json
 
 EXIT_FAILED = 1
@@ -70,7 +72,10 @@ def run(args: argparse.Namespace) -> int:
     host = _host(args.host_root)
     config, _ = config_for(args, "check")
     policy = load_pool(config.pool_profile_spec())
-    report = run_checks(policy, host)
+    selected = ""  # the Kubernetes version a join answer selected (agent.kubeversion), for the skew check
+    with contextlib.suppress(AgentError):  # no readable state: judge the version the node would run at its join
+        selected = StateStore(Path(config.state_dir)).load().kubernetes_version
+    report = run_checks(policy, host, selected_kubernetes=selected, image_info=host.path(config.image_info))
     try:
         if args.json:
             sys.stdout.buffer.write(canonical_json(report) + b"\n")

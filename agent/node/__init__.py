@@ -7,7 +7,11 @@ from agent.node import system, tools
 from protocol.report import Observation
 
 
-def collect(host: Host) -> list[Observation]:
+def collect(
+    host: Host, *, will_run: str | None = None, carried: list[str] | None = None
+) -> list[Observation]:
+    """Every node observation; ``will_run``/``carried``: the Kubernetes version the join will run and the
+    versions the image carries (agent.kubeversion), for ``node.kubelet``."""
     return [
         Observation("node.time_sync", "adjtimex(2) (modes 0: read only)", system.time_sync()),
         Observation("node.swap", "/proc/swaps", system.swap(host)),
@@ -28,5 +32,9 @@ def collect(host: Host) -> list[Observation]:
         Observation("node.network", "/proc/net/fib_trie, /proc/net/route", system.network(host)),
         Observation("node.disk", "statvfs(2)", system.disk(host)),
         Observation("node.hostname", "/proc/sys/kernel/hostname", system.hostname(host)),
-        Observation("node.kubelet", "`kubelet --version`", tools.kubelet()),
+        Observation(
+            "node.kubelet",
+            "`kubelet --version`",
+            tools.kubelet(will_run=will_run, carried=carried),
+        ),
     ]

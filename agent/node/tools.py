@@ -66,11 +66,21 @@ def container_runtime(host: Host) -> Obs:
     return {"runtimes": runtimes}
 
 
-def kubelet() -> Obs:
+def kubelet(*, will_run: str | None = None, carried: list[str] | None = None) -> Obs:
+    """The installed kubelet's version, and the version that will run at the join (agent.kubeversion.predict)
+    with the versions the image carries: the skew check judges ``will_run`` when it is set."""
+    extra: Obs = {}
+    if will_run is not None:
+        extra = {"will_run": will_run, "carried": list(carried or [])}
     try:
         result = run(["kubelet", "--version"], timeout=15)
     except CommandError as exc:
-        return {"version": None, "raw": None, "error": exc.message}
+        return {"version": None, "raw": None, "error": exc.message, **extra}
     raw = (result.stdout + result.stderr).strip()
     version = parse_kubelet_version(raw)
-    return {"version": version, "raw": raw[:200], "error": None if version else "unrecognised output"}
+    return {
+        "version": version,
+        "raw": raw[:200],
+        "error": None if version else "unrecognised output",
+        **extra,
+    }

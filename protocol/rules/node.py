@@ -188,6 +188,9 @@ def _hostname(ctx: Context) -> Outcome:
 
 
 def _kubelet(ctx: Context) -> Outcome:
+    """The skew policy judges the kubelet that will run at the join: ``will_run`` (the image's carried
+    version the agent installs before kubeadm runs, agent.kubeversion) when the report has it, else the
+    installed one. The installed kubelet must answer ``--version`` either way."""
     cp = ctx.policy.control_plane_version
     expected = (
         f"kubelet within {KUBELET_MAX_MINOR_SKEW} minor versions below control plane {cp}, never newer"
@@ -195,12 +198,25 @@ def _kubelet(ctx: Context) -> Outcome:
         else "kubelet installed"
     )
     o = ctx.obs("node.kubelet")
-    version = o.opt_text("version")
-    if version is None:
+    installed = o.opt_text("version")
+    if installed is None:
         return failed(
             "not installed", expected, f"kubelet unusable: {o.opt_text('error') or 'not installed'}"
         )
-    observed = f"kubelet {version}"
+    will_run = o.opt_text("will_run") if o.has("will_run") else None
+    version = installed
+    observed = f"kubelet {installed}"
+    if will_run is not None:
+        carried = o.texts("carried")
+        if will_run.lstrip("v") not in [c.lstrip("v") for c in carried]:
+            return failed(
+                observed,
+                expected,
+                f"kubelet {will_run} will run, but the image carries only {', '.join(carried)}",
+            )
+        if will_run.lstrip("v") != installed.lstrip("v"):
+            observed = f"kubelet {installed} installed; {will_run} will run at the join (staged)"
+        version = will_run
     if not cp:
         if ctx.policy.kubelet_skew_required:
             return failed(

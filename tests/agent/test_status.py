@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 JOIN_DOC = ROOT / "docs" / "join.md"
 TOP_KEYS = {
     "schema", "state_dir", "step", "joined", "joined_at", "identity", "svid_expires_at", "svid_expires",
-    "svid_expired", "last_verification", "updated_at", "last_error", "state_error",
+    "svid_expired", "last_verification", "kubernetes_version", "updated_at", "last_error", "state_error",
 }  # fmt: skip
 ERROR_KEYS = {
     "step", "message", "hint", "reason", "code", "permanent", "exit_status", "exit_class", "action",
