@@ -142,6 +142,29 @@ PRESETS: Mapping[str, PoolPolicy] = MappingProxyType(
             fatal=frozenset({"node.time_sync"}),
         ),
         "cpu": PoolPolicy(name="cpu", description="CPU pool: no GPU expected", gpu_count=0),
+        # Domino's three node pools, labelled and tainted as Domino's reference clusters (dominodatalab's
+        # terraform-aws-eks node groups): platform and compute nodes carry no GPU, GPU nodes the GPU taint.
+        "domino-platform": PoolPolicy(
+            name="domino-platform",
+            description="Domino platform nodes (the always-on services): no GPU, clocks synchronised",
+            gpu_count=0,
+            labels=(("dominodatalab.com/node-pool", "platform"),),
+            fatal=frozenset({"node.time_sync"}),
+        ),
+        "domino-compute": PoolPolicy(
+            name="domino-compute",
+            description="Domino compute nodes (the default node pool of runs, models and apps): no GPU",
+            gpu_count=0,
+            labels=(("dominodatalab.com/node-pool", "default"),),
+            fatal=frozenset({"node.time_sync"}),
+        ),
+        "domino-gpu": PoolPolicy(
+            name="domino-gpu",
+            description="Domino GPU nodes: node-pool default-gpu, nvidia.com/gpu=true, tainted nvidia.com/gpu=true",
+            labels=(("dominodatalab.com/node-pool", "default-gpu"), ("nvidia.com/gpu", "true")),
+            taints=(Taint(key="nvidia.com/gpu", value="true", effect="NoSchedule"),),
+            fatal=frozenset({"node.time_sync"}),
+        ),
     }
 )
 

@@ -27,7 +27,15 @@ EXAMPLES = sorted((REPO / "examples" / "pools").glob("*.yaml"))
 
 def test_presets_from_the_seed_requirements() -> None:
     gpu_taint = (Taint("nvidia.com/gpu", "NoSchedule"),)
-    assert set(PRESETS) == {"nvke", "lepton-byok", "domino", "cpu"}
+    assert set(PRESETS) == {
+        "nvke",
+        "lepton-byok",
+        "domino",
+        "cpu",
+        "domino-platform",
+        "domino-compute",
+        "domino-gpu",
+    }
     assert PRESETS["nvke"].taints == gpu_taint
     lepton = PRESETS["lepton-byok"]
     assert lepton.taints == gpu_taint and lepton.allowed_taint_keys == frozenset({"nvidia.com/gpu"})
@@ -41,6 +49,17 @@ def test_presets_from_the_seed_requirements() -> None:
     assert domino.severity("node.time_sync").value == "fatal" and domino.taints == ()
     assert PRESETS["cpu"].gpu_count == 0
     assert str(gpu_taint[0]) == "nvidia.com/gpu:NoSchedule"
+
+
+def test_the_domino_preset_set() -> None:
+    """Domino's platform, compute and GPU pools, with the labels its hardware tiers select and the GPU taint."""
+    platform, compute, gpu = (PRESETS[f"domino-{n}"] for n in ("platform", "compute", "gpu"))
+    assert platform.label_map == {"dominodatalab.com/node-pool": "platform"} and platform.gpu_count == 0
+    assert compute.label_map == {"dominodatalab.com/node-pool": "default"} and compute.gpu_count == 0
+    assert gpu.label_map == {"dominodatalab.com/node-pool": "default-gpu", "nvidia.com/gpu": "true"}
+    assert [str(t) for t in gpu.taints] == ["nvidia.com/gpu=true:NoSchedule"] and gpu.gpu_count is None
+    assert platform.taints == compute.taints == ()
+    assert all(p.severity("node.time_sync").value == "fatal" for p in (platform, compute, gpu))
 
 
 def test_full_profile() -> None:
@@ -121,7 +140,10 @@ def test_full_profile() -> None:
         ({"name": "p", "join": {"taints": ["nvidia.com/gpu"]}}, "has no effect; write key[=value]:Effect"),
         ({"name": "Pool_1"}, "name: 'Pool_1' must be a lower-case DNS name"),
         ({"gpu": {}}, "name: '' must be a lower-case DNS name (required unless a preset gives one)"),
-        ({"preset": "gke"}, "unknown preset 'gke'; presets: cpu, domino, lepton-byok, nvke"),
+        (
+            {"preset": "gke"},
+            "unknown preset 'gke'; presets: cpu, domino, domino-compute, domino-gpu, domino-platform, lepton-byok, nvke",
+        ),
         (
             {
                 "preset": "lepton-byok",
