@@ -26,6 +26,10 @@
 #   enable   UNIT NEED              systemctl enable UNIT; NEED is required or optional (skip if absent)
 #   user     NAME SUDO SHELL KEYS   a local user, password locked, with KEYS (a file on MEDIUM or -)
 #   sshd     PASSWORD               sshd policy: PASSWORD yes|no; "disable" turns the server off
+#   bootloader INFO                 the measured boot chain (imagebuilder/bootmeasure.py): a GRUB image of the
+#                                   target's own modules with the tpm module and a literal configuration embedded,
+#                                   as the ESP's EFI/BOOT/BOOTX64.EFI (and EFI/debian/grubx64.efi); what it boots
+#                                   written to INFO as JSON for the builder's reference values
 #   export   SERIAL                 the target's kernel and initrd, as a tar, onto the raw disk whose
 #                                   serial is SERIAL; their digests and the root file system on DATA_PORT
 #   report                          the installed packages (dpkg-query, read inside the target) and the
@@ -196,6 +200,48 @@ while IFS="$TAB" read -r kind a b c d <&3; do
         printf 'PasswordAuthentication %s\nKbdInteractiveAuthentication no\nPermitRootLogin no\n' "$pw" \
           > "$T/etc/ssh/sshd_config.d/60-nodetrust.conf"
       fi
+      ;;
+    bootloader)
+      # No grub.cfg, grubenv or module file read from disk, no menu, no state: GRUB measures the command line
+      # (PCR 8), the kernel and the initrd (PCR 9); the firmware measures this image (PCR 4). linuxefi starts the
+      # kernel's EFI stub, which hands the firmware's TCG event log to the kernel.
+      kernel=$(readlink -f "$(boot_file vmlinuz)") || true
+      initrd=$(readlink -f "$(boot_file initrd.img)") || true
+      if [ ! -f "$kernel" ] || [ ! -f "$initrd" ]; then
+        say "no kernel or initrd in $T/boot for the boot loader"
+        exit 1
+      fi
+      kernel=${kernel#"$T"}
+      initrd=${initrd#"$T"}
+      root=$(findmnt -no UUID --target "${T:-/}" 2>/dev/null || true)
+      [ -n "$root" ] || root=$(blkid -s UUID -o value "$(df --output=source "${T:-/}" | tail -n 1)")
+      [ -n "$root" ] || { say "cannot tell the UUID of the root file system"; exit 1; }
+      # shellcheck disable=SC1091,SC2086  # Debian's defaults file; its values are word lists
+      extra=$( . "$T/etc/default/grub" 2>/dev/null; echo ${GRUB_CMDLINE_LINUX:-} ${GRUB_CMDLINE_LINUX_DEFAULT:-} )
+      cmdline="root=UUID=$root ro${extra:+ $extra}"
+      mounted=""
+      if ! mountpoint -q "$T/boot/efi"; then
+        # fstab names the ESP by /dev/disk/by-uuid/, which needs udev; libblkid finds it by UUID without one.
+        esp=$(awk '!/^[[:space:]]*#/ && $2 == "/boot/efi" { print $1; exit }' "$T/etc/fstab")
+        case "$esp" in /dev/disk/by-uuid/*) esp="UUID=${esp#/dev/disk/by-uuid/}" ;; esac
+        mount -t vfat "$esp" "$T/boot/efi" || { say "cannot mount the ESP ($esp) at /boot/efi"; exit 1; }
+        mounted=yes
+      fi
+      cfg=$T$BUILD/grub-embedded.cfg
+      mkdir -p "$(dirname "$cfg")" "$T/boot/efi/EFI/BOOT"
+      # shellcheck disable=SC2016  # ($root) is GRUB's variable
+      printf 'search --no-floppy --fs-uuid --set=root %s\nlinuxefi ($root)%s %s\ninitrdefi ($root)%s\nboot\n' \
+        "$root" "$kernel" "$cmdline" "$initrd" > "$cfg"
+      say "boot loader: GRUB with tpm and an embedded configuration (kernel $kernel, root UUID=$root)"
+      intarget grub-mkimage -d /usr/lib/grub/x86_64-efi -O x86_64-efi -p /EFI/BOOT -c "$BUILD/grub-embedded.cfg" \
+        -o /boot/efi/EFI/BOOT/BOOTX64.EFI tpm part_gpt fat ext2 search search_fs_uuid linuxefi
+      [ ! -d "$T/boot/efi/EFI/debian" ] || cp "$T/boot/efi/EFI/BOOT/BOOTX64.EFI" "$T/boot/efi/EFI/debian/grubx64.efi"
+      mkdir -p "$(dirname "$T$a")"
+      printf '{"root_uuid": "%s", "kernel": "%s", "initrd": "%s", "cmdline": "%s"}\n' \
+        "$root" "$kernel" "$initrd" "$cmdline" > "$T$a"
+      chmod 0644 "$T$a"
+      sync
+      [ -z "$mounted" ] || umount "$T/boot/efi"
       ;;
     export)
       # The provisioning boot starts the base's own kernel directly: hand kernel and initrd to the builder.

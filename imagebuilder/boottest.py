@@ -24,6 +24,7 @@ is a failed check, with the last console lines.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -59,6 +60,7 @@ IDLE_S = 600.0
 TOTAL_S = 1800.0
 POWEROFF_S = 120.0
 CONSOLE_TAIL = 40
+HOST_CHECKS = ("measured-boot/reference",)  # made by the host from the report, after the guest's checks
 EARLY_CHECKS = ("image/machine-id", "image/ssh-host-keys", "image/agent-config", "image/build-leftovers")
 
 
@@ -128,6 +130,8 @@ def expect_from_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
         raise OutputError(f"manifest.json: architecture {arch!r} is not one the builder knows")
     return {
         "build_id": str(manifest.get("build_id", "")),
+        # a build that predicted its boot measurements: the guest reports its event log, the host compares
+        "measured_boot": bool(manifest.get("boot_measurements")),
         "data_port": DATA_PORT[arch],
         "console": "/dev/console",
         "kubernetes": kube,
@@ -146,6 +150,8 @@ def expected_checks(expect: Mapping[str, Any]) -> list[str]:
         names += ["kubernetes/installed", "kubernetes/held", "kubernetes/staged"]
     names += [f"files/{group}" for group in sorted({str(e["group"]) for e in expect.get("files", [])})]
     names += ["agent/venv", "agent/units", "agent/tpm", "agent/service", "packages", "cloud-init"]
+    if expect.get("measured_boot"):
+        names += ["measured-boot/event-log", "measured-boot/reference"]
     return names
 
 
@@ -313,7 +319,7 @@ def verdict_from_reports(
             Check("report/early", False, "the late report does not carry the early checks unchanged")
         )
     reported = {c.name for c in checks}
-    missing = [n for n in expected_checks(expect) if n not in reported]
+    missing = [n for n in expected_checks(expect) if n not in reported and n not in HOST_CHECKS]
     if missing and late is not None:
         checks.append(
             Check("report/complete", False, "checks missing from the report: " + ", ".join(missing))
@@ -323,7 +329,32 @@ def verdict_from_reports(
     verdict = Verdict(checks, build_id=str(expect.get("build_id", "")), console_tail=console_tail)
     if late is not None:
         verdict.kernel = str(late.get("kernel", ""))
+        if isinstance(late.get("event_log"), str):
+            verdict.extra["event_log"] = late["event_log"]
     return verdict
+
+
+def corroborate_boot(verdict: Verdict, measurements_raw: bytes) -> None:
+    """The build's predicted boot measurements against the event log the booted image reported: one check,
+    failed with the PCR and the event that differ (the build then publishes nothing)."""
+    from imagebuilder.bootmeasure import corroborate
+    from protocol.errors import ProtocolError
+    from protocol.measurements import load
+
+    encoded = verdict.extra.pop("event_log", "")
+    if not encoded:
+        return  # measured-boot/event-log already failed (or the report is missing): nothing to compare
+    try:
+        reference = load(measurements_raw)
+        problems = corroborate(reference, base64.b64decode(encoded, validate=True))
+    except (ProtocolError, ValueError) as exc:
+        problems = [f"cannot compare: {exc}"]
+    detail = (
+        f"the booted image measured what the build predicted in PCRs {', '.join(str(p) for p in sorted(reference.pcrs))}"
+        if not problems
+        else "the booted image measured something else than the build predicted: " + "; ".join(problems[:4])
+    )
+    verdict.checks.append(Check("measured-boot/reference", not problems, detail))
 
 
 # -- running it ------------------------------------------------------------------------------------
@@ -341,6 +372,9 @@ class BootTestOptions:
     total_s: float = TOTAL_S
     memory_mib: int = 2048
     cpus: int = 2
+    measurements: bytes | None = (
+        None  # the build's boot-measurements.json: the guest's event log must match it
+    )
 
 
 def run_boot_test(opts: BootTestOptions) -> Verdict:
@@ -396,6 +430,12 @@ def run_boot_test(opts: BootTestOptions) -> Verdict:
         else:
             shutil.rmtree(work, ignore_errors=True)
     verdict = verdict_from_reports(lines, expect, problem=problem, console_tail=tail)
+    if expect["measured_boot"]:
+        if opts.measurements is None:
+            verdict.checks.append(Check("measured-boot/reference", False, "the manifest names boot measurements "
+                                        "but the build's boot-measurements.json was not given to the boot test"))  # fmt: skip
+        else:
+            corroborate_boot(verdict, opts.measurements)
     verdict.image = opts.image.name
     verdict.accel = opts.accel
     verdict.duration_s = round(time.monotonic() - started, 1)
@@ -430,10 +470,11 @@ def check_partial_folder(
     """Run the boot test on a build's unpublished folder; write ``boot-test.json`` into it and list it in
     ``manifest``'s outputs (so SHA256SUMS and the signature cover it). Raises :class:`BootTestFailed`
     when a check failed: the build then publishes nothing."""
+    reference = partial / "boot-measurements.json"
     verdict = run_boot_test(
         BootTestOptions(
             image=image, manifest=manifest, accel=accel, work_root=work_root, libvirt_uri=libvirt_uri,
-            keep_work=keep_work,
+            keep_work=keep_work, measurements=reference.read_bytes() if reference.is_file() else None,
         )
     )  # fmt: skip
     for line in verdict.render().splitlines():

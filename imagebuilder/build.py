@@ -32,7 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from imagebuilder import autoinstall, base, boottest, closure, interrupt, media, outputs, staging, wheelhouse
+from imagebuilder import (
+    autoinstall,
+    base,
+    bootmeasure,
+    boottest,
+    closure,
+    interrupt,
+    media,
+    outputs,
+    staging,
+    wheelhouse,
+)
 from imagebuilder.accel import choose_accel
 from imagebuilder.cache import Cache
 from imagebuilder.definition import Definition, load_definition
@@ -691,6 +702,16 @@ class Build:
             self._console(partial / "console.log", installed)
             manifest = self.manifest(partial, result, image, accel, installed=installed, installer=installer)
             manifest["contents"] = boottest.image_contents(self.defn, files, requirement)
+            if self.defn.architecture == "amd64":
+                # before the boot test (which compares the booted image's event log with it) and SHA256SUMS
+                with phase("boot-measurements"):
+                    reference = bootmeasure.measure_image(
+                        partial / f"{self.defn.name}.qcow2", work / "boot-measurements", image=self.build_id
+                    )
+                    path = bootmeasure.write(partial, reference)
+                    manifest["outputs"].append(outputs.file_entry(path, bootmeasure.MEDIA_TYPE))
+                    manifest["boot_measurements"] = {"file": path.name, "pcrs": sorted(reference.pcrs)}
+                manifest["phases"].append(self.phases.records[-1])
             # before finish_folder (SHA256SUMS covers boot-test.json); a failed check publishes nothing
             if self.opts.boot_test:
                 with phase("boot-test"):

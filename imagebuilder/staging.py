@@ -50,6 +50,7 @@ from typing import Any
 
 from imagebuilder import aptrepo
 from imagebuilder.autoinstall import PROVISION_INIT, STAGE_SCRIPT, template_text
+from imagebuilder.bootmeasure import BOOT_INFO
 from imagebuilder.definition import Definition
 from imagebuilder.errors import BuildError
 from imagebuilder.lock import LockedInput, plain_name
@@ -233,6 +234,9 @@ def build_tree(
         plan.append("sshd\tdisable")
     else:
         plan.append(f"sshd\t{'yes' if defn.ssh.allow_password else 'no'}")
+    if defn.architecture == "amd64":
+        # The measured boot chain (imagebuilder.bootmeasure), once nothing else changes /boot.
+        plan.append(f"bootloader\t{BOOT_INFO}")
     plan += ["report", "generalise", "trim"]
     return _write_plan(tree, plan)
 

@@ -153,6 +153,8 @@ NAMED_CHECKS = (
     "agent/service",
     "packages",
     "cloud-init",
+    "measured-boot/event-log",
+    "measured-boot/reference",
 )
 
 

@@ -151,6 +151,12 @@ def _check_report_path(report: Path, folder: Path | None) -> None:
         )
 
 
+def _measurements(folder: Path | None) -> bytes | None:
+    """The build's boot-measurements.json beside the image, if the build wrote one (its log must match)."""
+    path = folder / "boot-measurements.json" if folder is not None else None
+    return path.read_bytes() if path is not None and path.is_file() else None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.verbose == 0:
         logging.getLogger("imagebuilder").setLevel(logging.INFO)
@@ -172,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                 libvirt_uri=args.libvirt_uri,
                 keep_work=args.keep_work,
                 total_s=args.timeout,
+                measurements=_measurements(folder),
             )
         )
     if args.report is not None:

@@ -35,6 +35,7 @@ per check on the console; the late part then powers the VM off.
 
 from __future__ import annotations
 
+import base64
 import glob
 import hashlib
 import json
@@ -354,6 +355,31 @@ def check_cloud_init(root: Path) -> Check:
     return _check("cloud-init", True, f"done, no errors (datasource {result.get('datasource', '?')})")
 
 
+# -- measured boot ---------------------------------------------------------------------------------
+
+EVENT_LOG = Path("/sys/kernel/security/tpm0/binary_bios_measurements")
+MAX_EVENT_LOG = 2 * 1024 * 1024  # what the attestation server reads (protocol.eventlog.MAX_LOG_BYTES)
+
+
+def read_event_log(path: Path = EVENT_LOG) -> tuple[Check, str]:
+    """The firmware's TCG event log, base64 for the report (the host compares it with the build's prediction)."""
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(MAX_EVENT_LOG + 1)
+    except OSError as exc:
+        return (
+            _check("measured-boot/event-log", False, f"no TCG event log at {path} ({exc.strerror}): the boot chain "
+                   "did not hand the firmware's log to the kernel (GRUB must start it with linuxefi)"),
+            "",
+        )  # fmt: skip
+    if not data or len(data) > MAX_EVENT_LOG:
+        return _check("measured-boot/event-log", False, f"the event log has {len(data)} bytes"), ""
+    return (
+        _check("measured-boot/event-log", True, f"{len(data)} bytes read from {path}"),
+        base64.b64encode(data).decode(),
+    )
+
+
 # -- reporting --------------------------------------------------------------------------------------
 
 
@@ -438,7 +464,12 @@ def late() -> int:
     checks += _guarded("packages", check_packages, expect)
     checks += _guarded("cloud-init", check_cloud_init, root)
     _rc, kernel = _run("uname", "-r")
-    report(expect, "NODETRUST-BOOTTEST", checks, {"boot_time": _boot_time(root), "kernel": kernel})
+    extra: dict[str, Any] = {"boot_time": _boot_time(root), "kernel": kernel}
+    if expect.get("measured_boot"):
+        found, log = read_event_log()
+        checks.append(found)
+        extra["event_log"] = log
+    report(expect, "NODETRUST-BOOTTEST", checks, extra)
     _run("systemctl", "poweroff", "--no-block")
     return 0
 

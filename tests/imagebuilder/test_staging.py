@@ -70,7 +70,8 @@ def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
     assert "enable\tnodeagent.service\trequired" in plan
     assert "enable\tsystemd-time-wait-sync.service\toptional" in plan
     assert "user\tnodeadmin\tyes\t/bin/bash\tkeys/nodeadmin.keys" in plan
-    assert plan[-4:] == ["sshd\tno", "report", "generalise", "trim"]
+    # the measured boot chain (imagebuilder.bootmeasure) after everything that changes /boot
+    assert plan[-5:] == ["sshd\tno", "bootloader\t/etc/nodetrust/boot.json", "report", "generalise", "trim"]
     assert (tree / "plan.tsv").read_text() == "\n".join(plan) + "\n"
     assert (tree / "stage.sh").read_text() == (REPO / "cloud-init/stage.sh").read_text()
     packages = (tree / "apt/Packages").read_text()
