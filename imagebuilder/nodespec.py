@@ -57,6 +57,13 @@ RELEASE_TIME_SERVERS = {
     "chrony": "/etc/chrony/sources.d/50-nodetrust.sources",
 }
 TIME_UNITS = {"systemd-timesyncd": "systemd-timesyncd.service", "chrony": "chrony.service"}
+#: How the time client takes servers written while it runs (cloud-init writes the release's after it started).
+TIME_RELOAD = {
+    "systemd-timesyncd": "/bin/systemctl try-restart systemd-timesyncd.service",
+    "chrony": "/usr/bin/chronyc reload sources",
+}
+TIME_PATH_UNIT = "nodetrust-time-servers.path"
+UNIT_DIR = "/usr/lib/systemd/system"
 DEFAULT_RUNTIME_PACKAGES = ("containerd", "runc", "containernetworking-plugins")
 _OWNER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}(:[a-z_][a-z0-9_-]{0,31})?$")
 
@@ -395,6 +402,20 @@ def render(spec: NodeSpec) -> Rendered:
                 files.append(HostFile(TIMESYNCD_FILE, (_HEADER.format(what="time sync", key="host") + body).encode(),
                                       group="host configuration"))  # fmt: skip
             enable.append(ts.unit)
+            # The release's cloud-init writes the servers after the client started: apply them when written.
+            path_unit = (
+                f"[Unit]\nDescription=nodetrust: the node-pool release's time servers ({ts.release_file})\n\n"
+                f"[Path]\nPathChanged={ts.release_file}\n\n[Install]\nWantedBy=paths.target\n"
+            )
+            service = TIME_PATH_UNIT.replace(".path", ".service")
+            service_unit = (
+                f"[Unit]\nDescription=nodetrust: {ts.client} takes the node-pool release's time servers\n\n"
+                f"[Service]\nType=oneshot\nExecStart={TIME_RELOAD[ts.client]}\n"
+            )
+            for name, text in ((TIME_PATH_UNIT, path_unit), (service, service_unit)):
+                files.append(HostFile(f"{UNIT_DIR}/{name}", (_HEADER.format(what="time sync", key="host") + text).encode(),
+                                      group="host configuration"))  # fmt: skip
+            enable.append(TIME_PATH_UNIT)
         if not host.swap:
             mask.append(SWAP_UNIT)
         files += host.files

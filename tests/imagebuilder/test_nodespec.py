@@ -69,7 +69,8 @@ def test_the_fixture_example_is_a_kubernetes_gpu_node() -> None:
         "image-endpoint: unix:///run/containerd/containerd.sock\ntimeout: 10\n"
     )
     assert rendered.mask == ("swap.target",)
-    assert {"containerd.service", "systemd-timesyncd.service", "kubelet.service", "nvidia-persistenced.service",
+    assert {"containerd.service", "systemd-timesyncd.service", "nodetrust-time-servers.path", "kubelet.service",
+            "nvidia-persistenced.service",
             "nvidia-fabricmanager.service", "nvidia-dcgm.service"} <= set(rendered.enable)  # fmt: skip
     assert [i.ref for i in rendered.images] == [
         "registry.k8s.io/pause:3.10.2",
@@ -218,3 +219,10 @@ def test_what_the_boot_test_is_told() -> None:
     assert {f["path"] for f in expect["files"]} >= {nodespec.CONTAINERD_CONFIG, nodespec.SYSCTL_FILE}
     assert all(len(f["sha256"]) == 64 and f["owner"] == "root:root" for f in expect["files"])
     assert nodespec.expectations(nodespec.NodeSpec()) == {}
+
+
+def test_the_image_watches_the_file_the_release_writes() -> None:
+    """The node-pool release's cloud-init writes the time servers where the image's path unit looks."""
+    from imagebuilder.release.cloudinit import TIMESYNCD
+
+    assert nodespec.RELEASE_TIME_SERVERS["systemd-timesyncd"] == TIMESYNCD
