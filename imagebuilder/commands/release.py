@@ -57,6 +57,9 @@ def register(subparsers: Any) -> None:
     pool.add_argument("--bundle", type=Path, help="the server's trust bundle (PEM)")
     pool.add_argument("--node-name", default="", help="a fixed node name (default: the host name)")
     pool.add_argument("--ntp", action="append", default=[], help="a time server (repeat)")
+    pool.add_argument(
+        "--pool-profile", type=Path, help="the pool's profile (YAML), written to /etc/nodeagent/pool.yaml"
+    )
     parser.add_argument("--control-plane-endpoint", default="", metavar="HOST:PORT",
                         help="also render control-plane cloud-init (kubeadm init / join --control-plane)")  # fmt: skip
     parser.add_argument("--kubeadm", default="", help="a kubeadm to run `kubeadm config validate` with")
@@ -93,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
             raise BuildError("a node-pool release needs --bundle (the server's trust bundle)")
         pool = PoolConfig(server=args.server or "", trust_domain=args.trust_domain or "", pool=args.pool or "",
                           bundle_pem=args.bundle.read_text(), join_server=args.join_server, node_name=args.node_name,
-                          ntp=tuple(args.ntp))  # fmt: skip
+                          ntp=tuple(args.ntp),
+                          profile=args.pool_profile.read_text() if args.pool_profile else "")  # fmt: skip
     spec = ReleaseSpec(
         build_dir=args.build_dir, build_key=args.build_key, signing_key=args.key, out=args.out,
         base_url=args.base_url, imager_kernel=args.imager / "vmlinuz", imager_initrd=args.imager / "initrd.img",

@@ -2,8 +2,10 @@
 
 * **worker** (a node-pool release): ``write_files`` only. The node agent's configuration
   (``/etc/nodeagent/config.yaml``: server, join server, trust domain, bundle path, pool, and the
-  node name when the release fixes one), its trust bundle (``/etc/nodeagent/bundle.pem``) and the
-  time servers (``/etc/systemd/timesyncd.conf.d/50-nodetrust.conf``). Nothing is installed, nothing
+  node name when the release fixes one), its trust bundle (``/etc/nodeagent/bundle.pem``), the pool's
+  profile when the release carries one (``/etc/nodeagent/pool.yaml``: the node's own checks judge what
+  the server will, e.g. the kubelet skew against the pool's control plane) and the time servers
+  (``/etc/systemd/timesyncd.conf.d/50-nodetrust.conf``; the image applies them when written). Nothing is installed, nothing
   is run: the image already holds the agent, and the agent joins the node.
 * **control-plane-init**: the first control-plane node. ``write_files`` a kubeadm
   ``InitConfiguration`` + ``ClusterConfiguration`` (``kubeadm.k8s.io/v1beta4``) with the release's
@@ -37,6 +39,7 @@ from imagebuilder.run import run
 KUBEADM_API = "kubeadm.k8s.io/v1beta4"
 AGENT_CONFIG = "/etc/nodeagent/config.yaml"
 AGENT_BUNDLE = "/etc/nodeagent/bundle.pem"
+AGENT_POOL_PROFILE = "/etc/nodeagent/pool.yaml"
 TIMESYNCD = "/etc/systemd/timesyncd.conf.d/50-nodetrust.conf"
 INIT_CONFIG = "/etc/kubernetes/kubeadm-init.yaml"
 JOIN_CONFIG = "/etc/kubernetes/kubeadm-join-control-plane.yaml"
@@ -58,6 +61,7 @@ class PoolConfig:
     join_server: str = ""
     node_name: str = ""
     ntp: tuple[str, ...] = ()
+    profile: str = ""  # the pool profile (YAML, as gpu-checks.md describes), for the node's own checks
 
     def check(self) -> None:
         for what, value in (("server", self.server), ("join_server", self.join_server)):
@@ -72,6 +76,17 @@ class PoolConfig:
         for server in self.ntp:
             if not re.fullmatch(r"[A-Za-z0-9.:-]{1,253}", server):
                 raise BuildError(f"--ntp {server!r} is not a host name or address")
+        if self.profile:
+            from protocol.errors import ProtocolError
+            from protocol.policy import policy_from_mapping
+
+            try:
+                loaded = yaml.safe_load(self.profile)
+                if not isinstance(loaded, dict):
+                    raise ValueError("a YAML mapping is expected")
+                policy_from_mapping(loaded)
+            except (yaml.YAMLError, ProtocolError, ValueError) as exc:
+                raise BuildError(f"--pool-profile: not a pool profile: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -116,6 +131,15 @@ def worker_user_data(pool: PoolConfig) -> str:
         },
         {"path": AGENT_BUNDLE, "permissions": "0644", "owner": "root:root", "content": pool.bundle_pem},
     ]
+    if pool.profile:
+        files.append(
+            {
+                "path": AGENT_POOL_PROFILE,
+                "permissions": "0644",
+                "owner": "root:root",
+                "content": pool.profile,
+            }
+        )
     if pool.ntp:
         files.append({"path": TIMESYNCD, "permissions": "0644", "owner": "root:root",
                       "content": "[Time]\nNTP=" + " ".join(pool.ntp) + "\n"})  # fmt: skip

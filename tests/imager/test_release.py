@@ -134,6 +134,33 @@ def test_cloud_init_schema_and_our_checks_refuse_what_they_should(
         )
 
 
+def test_a_release_carries_the_pool_profile_for_the_nodes_own_checks(
+    cloud_init_schema: None, tmp_path: Path
+) -> None:
+    """The node judges the kubelet skew against the pool's control plane only if it has the pool's profile."""
+    bundle = tls_certificate(tmp_path)[0].read_text()
+    profile = "name: domino-gpu\npreset: domino-gpu\nnode: {control_plane_version: '1.35'}\n"
+    pool = cloudinit.PoolConfig(server="10.0.2.2:8081", trust_domain="nodetrust.test", pool="domino-gpu",
+                                bundle_pem=bundle, ntp=("10.0.2.2",), profile=profile)  # fmt: skip
+    text = cloudinit.worker_user_data(pool)
+    cloudinit.check_worker(text)
+    (tmp_path / "user-data").write_text(text)
+    cloudinit.validate_schema(tmp_path / "user-data")
+    files = {f["path"]: f for f in yaml.safe_load(text)["write_files"]}
+    assert files[cloudinit.AGENT_POOL_PROFILE]["content"] == profile
+    assert files[cloudinit.TIMESYNCD]["content"] == "[Time]\nNTP=10.0.2.2\n"
+    with pytest.raises(BuildError, match="not a pool profile"):
+        cloudinit.worker_user_data(
+            cloudinit.PoolConfig(
+                server="10.0.2.2:8081",
+                trust_domain="t.test",
+                pool="p",
+                bundle_pem=bundle,
+                profile="name: p\nnode: {control_plane_versio: '1.35'}\n",
+            )
+        )
+
+
 def test_the_imager_writes_a_release_and_seeds_its_node_pool_cloud_init(
     cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
     machine: Callable[..., Machine], tmp_path: Path,
