@@ -402,15 +402,16 @@ def render(spec: NodeSpec) -> Rendered:
                 files.append(HostFile(TIMESYNCD_FILE, (_HEADER.format(what="time sync", key="host") + body).encode(),
                                       group="host configuration"))  # fmt: skip
             enable.append(ts.unit)
-            # The release's cloud-init writes the servers after the client started: apply them when written.
+            # The release's cloud-init writes the servers after the client started: apply them once they exist
+            # (PathExists= fires when the path unit starts if cloud-init was first, else when the file appears).
             path_unit = (
                 f"[Unit]\nDescription=nodetrust: the node-pool release's time servers ({ts.release_file})\n\n"
-                f"[Path]\nPathChanged={ts.release_file}\n\n[Install]\nWantedBy=paths.target\n"
+                f"[Path]\nPathExists={ts.release_file}\n\n[Install]\nWantedBy=paths.target\n"
             )
             service = TIME_PATH_UNIT.replace(".path", ".service")
             service_unit = (
                 f"[Unit]\nDescription=nodetrust: {ts.client} takes the node-pool release's time servers\n\n"
-                f"[Service]\nType=oneshot\nExecStart={TIME_RELOAD[ts.client]}\n"
+                f"[Service]\nType=oneshot\nRemainAfterExit=yes\nExecStart={TIME_RELOAD[ts.client]}\n"
             )
             for name, text in ((TIME_PATH_UNIT, path_unit), (service, service_unit)):
                 files.append(HostFile(f"{UNIT_DIR}/{name}", (_HEADER.format(what="time sync", key="host") + text).encode(),
