@@ -73,6 +73,10 @@ def test_demo_attests_checks_and_joins_the_booted_image(full_build: Build) -> No
             "ok", "demo-node-1", "cpu", "pass",
         )  # fmt: skip
         assert join["spiffe_id"] in {e["spiffe_id"] for e in attests}
+        # The pool lists the build's boot-measurements.json: the booted image's quote (the agent's own TPM2_Quote
+        # over BeginJoin's nonce, with the kernel's event log of the OVMF + swtpm boot) proved that release.
+        assert join["release"] == full_build.folder.name, join
+        assert (join["checked_pcrs"], join["unchecked_pcrs"]) == ([4, 8, 9], [0, 1, 2, 3, 5, 6, 7]), join
 
         tokens = sorted((work / "server" / "tokens").glob("*.yaml"))
         assert [t.name for t in tokens] == [f"bootstrap-token-{join['token_id']}.yaml"]
