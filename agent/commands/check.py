@@ -73,7 +73,9 @@ def run(args: argparse.Namespace) -> int:
     config, _ = config_for(args, "check")
     policy = load_pool(config.pool_profile_spec())
     selected = ""  # the Kubernetes version a join answer selected (agent.kubeversion), for the skew check
-    with contextlib.suppress(AgentError):  # no readable state: judge the version the node would run at its join
+    with contextlib.suppress(
+        AgentError
+    ):  # no readable state: judge the version the node would run at its join
         selected = StateStore(Path(config.state_dir)).load().kubernetes_version
     report = run_checks(policy, host, selected_kubernetes=selected, image_info=host.path(config.image_info))
     try:

@@ -16,12 +16,12 @@ from agent.config import (
     AgentConfig,
     config_for,
     describe,
-    kernel_params,
     load_config,
     parse_cmdline,
     table_matches_config,
 )
 from agent.errors import ConfigError
+from protocol.cmdline import kernel_params
 
 
 def _layout(
