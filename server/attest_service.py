@@ -198,6 +198,7 @@ class AgentService:
             selectors=result.selectors,
             can_reattest=result.can_reattest,
             ak_public=result.ak_public.hex(),
+            ak_qualified_name=result.ak_qualified_name.hex(),
         )
         # A banned agent proves its identity like any other, then is refused before anything leaves
         # the server: nothing is written and its SVID is dropped unsent.

@@ -112,7 +112,9 @@ def peer_spiffe_id(context: Context, trust_domain: str) -> SpiffeId:
     except SpiffeIdError as exc:
         raise UnauthenticatedError(f"the client certificate's URI SAN is not a SPIFFE ID: {exc}") from exc
     if not is_agent_id(spiffe_id, trust_domain):
-        raise UnauthenticatedError(f"{spiffe_id} is not a TPM-attested agent (tpm or tpm_devid) of {trust_domain}")
+        raise UnauthenticatedError(
+            f"{spiffe_id} is not a TPM-attested agent (tpm or tpm_devid) of {trust_domain}"
+        )
     return spiffe_id
 
 
@@ -264,6 +266,7 @@ class JoinService:
                 measured_boot.verify,
                 policy,
                 ak_public_hex=record.ak_public,
+                ak_qualified_name_hex=record.ak_qualified_name,
                 nonce=request.nonce,
                 quote=request.quote,
                 signature=request.quote_signature,
@@ -512,6 +515,7 @@ class JoinService:
         call.set(pool=request.pool, node_name=request.node_name)
         record = await self._caller_record(context, call)
         pool = self._pool(request.pool)
+        await self._in_thread(self._identity_checks, record, pool, request.node_name)
         if pool.measured_boot is None:
             call.commit("not_checked", "the pool does not check measured boot")
             return join_pb2.RecheckResponse()

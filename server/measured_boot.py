@@ -162,6 +162,7 @@ def verify(
     quote: bytes,
     signature: bytes,
     event_log: bytes,
+    ak_qualified_name_hex: str = "",
 ) -> Admission:
     """The join's measured-boot evidence against the pool's policy (in a worker thread)."""
     if not quote or not signature or not event_log:
@@ -202,6 +203,9 @@ def verify(
             nonce=nonce,
             pcr_values=values,
             bank=policy.bank,
+            # The qualified name the AK's own certification named at attestation: a quote must carry
+            # exactly it (an agent attested before it was recorded gets the name-algorithm check).
+            ak_qualified_name=bytes.fromhex(ak_qualified_name_hex) if ak_qualified_name_hex else None,
         )
     except QuoteError as exc:
         reason = "eventlog_replay" if exc.reason == "quote_pcr_digest" else exc.reason

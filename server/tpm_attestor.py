@@ -76,6 +76,7 @@ class PendingAttestation:
     challenge: bytes
     _secret: bytes
     ak_public: bytes = b""
+    ak_qualified_name: bytes = b""
 
     def __repr__(self) -> str:  # never print the secret
         return f"PendingAttestation(agent_id={self.agent_id}, ek_method={self.ek_method})"
@@ -88,6 +89,7 @@ class AttestResult:
     selectors: tuple[str, ...]
     can_reattest: bool = True
     ak_public: bytes = b""  # TPMT_PUBLIC of the AK proven to live with the EK (for later quotes)
+    ak_qualified_name: bytes = b""  # as the AK's own CertifyCreation names it (a quote's qualifiedSigner)
 
 
 class AkError(AttestationDeniedError):
@@ -199,6 +201,7 @@ class TpmNodeAttestor:
             challenge=encode_challenge(credential),
             _secret=secret,
             ak_public=ak.public,
+            ak_qualified_name=tpm2.parse_attest(ak.create_attestation).qualified_signer,
         )
 
     def finish(self, pending: PendingAttestation, response: bytes) -> AttestResult:
@@ -213,4 +216,5 @@ class TpmNodeAttestor:
             ek_hash=pending.ek_hash,
             selectors=(f"{self.name}:pub_hash:{pending.ek_hash}",),
             ak_public=pending.ak_public,
+            ak_qualified_name=pending.ak_qualified_name,
         )

@@ -34,6 +34,7 @@ class AgentRecord:
     can_reattest: bool = True
     banned: bool = False
     ak_public: str = ""  # hex TPMT_PUBLIC of the AK activated at the last attestation
+    ak_qualified_name: str = ""  # hex; the qualifiedSigner a TPM puts in that AK's quotes
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ def agent_params(record: AgentRecord) -> tuple[Any, ...]:
         bool(record.can_reattest),
         bool(record.banned),
         record.ak_public,
+        record.ak_qualified_name,
     )
 
 
@@ -108,6 +109,7 @@ def agent_from_row(row: Sequence[Any]) -> AgentRecord:
         can_reattest=bool(row[8]),
         banned=bool(row[9]),
         ak_public=row[10],
+        ak_qualified_name=row[11],
     )
 
 

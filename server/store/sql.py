@@ -53,7 +53,8 @@ class Tx(ABC):
 
 _AGENT_SELECT = (
     "SELECT spiffe_id, attestation_type, ek_hash, first_attested_at, last_attested_at,"
-    " svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public FROM agents"
+    " svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public, ak_qualified_name"
+    " FROM agents"
 )
 _BOOTSTRAP_SELECT = (
     "SELECT agent_id, token_id, secret_sha256, pool, node_name, issued_at, expires_at, backend_ref"
@@ -63,8 +64,9 @@ _JOIN_SELECT = "SELECT agent_id, node_name, pool, token_id, verdict, at, details
 
 _UPSERT_AGENT = """
 INSERT INTO agents (spiffe_id, attestation_type, ek_hash, first_attested_at, last_attested_at,
-                    svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public, placeholder)
-VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, FALSE)
+                    svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public,
+                    ak_qualified_name, placeholder)
+VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s, FALSE)
 ON CONFLICT (spiffe_id) DO UPDATE SET
     attestation_type = excluded.attestation_type,
     ek_hash = excluded.ek_hash,
@@ -77,9 +79,10 @@ ON CONFLICT (spiffe_id) DO UPDATE SET
     can_reattest = excluded.can_reattest,
     banned = (agents.banned OR excluded.banned),
     ak_public = excluded.ak_public,
+    ak_qualified_name = excluded.ak_qualified_name,
     placeholder = FALSE
 RETURNING spiffe_id, attestation_type, ek_hash, first_attested_at, last_attested_at,
-          svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public
+          svid_serial, svid_expires_at, selectors, can_reattest, banned, ak_public, ak_qualified_name
 """
 
 # A banned agent that never attested: every required field set, marked as a placeholder.

@@ -379,12 +379,14 @@ def test_a_pool_can_require_enrolment(env: JoinEnv, agent: SimAgent) -> None:
     assert join(env, agent, pool="enrolled", node_name="rack7-node3").token
 
 
-def recheck(env: JoinEnv, agent: SimAgent, pool: str, boot: Boot) -> join_pb2.RecheckResponse:
+def recheck(
+    env: JoinEnv, agent: SimAgent, pool: str, boot: Boot, node_name: str | None = None
+) -> join_pb2.RecheckResponse:
     answer = begin(env, agent, pool)
     log = boot.log()
     quote = agent.sim.quote(answer.nonce, values_of(log, list(answer.pcrs)))
     req = join_pb2.RecheckRequest(
-        pool=pool, node_name=agent.node_name, nonce=answer.nonce, quote=quote[0], quote_signature=quote[1],
+        pool=pool, node_name=node_name or agent.node_name, nonce=answer.nonce, quote=quote[0], quote_signature=quote[1],
         event_log=log,
     )  # fmt: skip
     reply: join_pb2.RecheckResponse = join_call(env, agent, "Recheck", req, join_pb2.RecheckResponse)
@@ -411,3 +413,13 @@ def test_a_pool_can_ban_a_node_whose_boot_changed(env: JoinEnv, agent: SimAgent)
     store = env.srv.app.store
     assert store is not None and store.is_banned(agent.spiffe_id)
     assert _no_token(env, agent)
+
+
+def test_a_recheck_for_another_machines_name_is_refused(
+    env: JoinEnv, agent: SimAgent, tmp_path: Path
+) -> None:
+    assert request_join(env, agent).token
+    other = attest_sim(env.srv, SimulatedTpm.create(env.ek_ca), tmp_path / "other")
+    with pytest.raises(Refused) as refused:
+        recheck(env, other, "measured", image_boot(), node_name=agent.node_name)
+    assert (refused.value.status, refused.value.reason) == ("PERMISSION_DENIED", "node_name_taken")
