@@ -41,6 +41,16 @@ TOOL_PACKAGES: dict[str, str] = {
     "tar": "tar",
     "swtpm": "swtpm",
     "git": "git",
+    "mcopy": "mtools",
+    "mdir": "mtools",
+    "mkfs.fat": "dosfstools",
+    "debugfs": "e2fsprogs",
+    "mke2fs": "e2fsprogs",
+    "sfdisk": "fdisk",
+    "sgdisk": "gdisk",
+    "osslsigncode": "osslsigncode",
+    "cpio": "cpio",
+    "zstd": "zstd",
 }
 
 BASE_ENV = {"LC_ALL": "C.UTF-8", "LANG": "C.UTF-8"}
