@@ -26,6 +26,11 @@
 #   enable   UNIT NEED              systemctl enable UNIT; NEED is required or optional (skip if absent)
 #   user     NAME SUDO SHELL KEYS   a local user, password locked, with KEYS (a file on MEDIUM or -)
 #   sshd     PASSWORD               sshd policy: PASSWORD yes|no; "disable" turns the server off
+#   owner    PATH OWNER             chown OWNER (user or user:group of the target) PATH
+#   mask     UNIT                   systemctl mask UNIT
+#   images   NS LIST CONFIG         import the OCI archives LIST names (MEDIUM/LIST: "SRC<TAB>REF" lines) into
+#                                   containerd's NS namespace, each tagged REF: the target's containerd runs on
+#                                   CONFIG for the import only (its own socket and state, stopped afterwards)
 #   bootloader INFO                 the measured boot chain (imagebuilder/bootmeasure.py): a GRUB image of the
 #                                   target's own modules with the tpm module and a literal configuration embedded,
 #                                   as the ESP's EFI/BOOT/BOOTX64.EFI (and EFI/debian/grubx64.efi); what it boots
@@ -200,6 +205,48 @@ while IFS="$TAB" read -r kind a b c d <&3; do
         printf 'PasswordAuthentication %s\nKbdInteractiveAuthentication no\nPermitRootLogin no\n' "$pw" \
           > "$T/etc/ssh/sshd_config.d/60-nodetrust.conf"
       fi
+      ;;
+    owner)
+      say "owner $a $b"
+      intarget chown "$b" "$a"
+      ;;
+    mask)
+      say "mask $a"
+      intarget systemctl mask "$a"
+      ;;
+    images)
+      # The provisioning boot only (the target is the running system): containerd runs as a child of this script.
+      [ -z "$T" ] || { say "images: only the staging plan (the provisioning boot) imports images"; exit 1; }
+      say "importing container images into containerd's $a namespace"
+      run=/run/nodetrust-containerd
+      mkdir -p "$run"
+      modprobe overlay 2>/dev/null || true  # the overlayfs snapshotter unpacks the layers
+      containerd --config "$c" --address "$run/containerd.sock" --state "$run/state" > "$run/log" 2>&1 &
+      ctd=$!
+      tries=0
+      while [ ! -S "$run/containerd.sock" ]; do
+        if ! kill -0 "$ctd" 2>/dev/null || [ "$tries" -ge 1200 ]; then
+          say "containerd did not start for the image import: $(tail -n 5 "$run/log")"
+          exit 1
+        fi
+        tries=$((tries + 1))
+        sleep 0.1
+      done
+      ctr_() { ctr --address "$run/containerd.sock" --namespace "$a" "$@"; }
+      while IFS="$TAB" read -r src ref <&4; do
+        before=$(ctr_ images ls -q)
+        ctr_ images import "$IN/$src" > /dev/null
+        # an archive names its image itself (a docker save tag, an OCI ref name): tag it with the definition's ref
+        for name in $(ctr_ images ls -q); do
+          case "$name" in sha256:*|"$ref") continue ;; esac
+          printf '%s\n' "$before" | grep -qxF "$name" || ctr_ images tag --force "$name" "$ref" > /dev/null
+        done
+        ctr_ images ls -q | grep -qxF "$ref" || { say "$src did not import as $ref"; exit 1; }
+        say "imported $ref"
+      done 4< "$M/$b"
+      kill "$ctd"
+      wait "$ctd" || true
+      rm -rf "$run"
       ;;
     bootloader)
       # No grub.cfg, grubenv or module file read from disk, no menu, no state: GRUB measures the command line

@@ -8,11 +8,14 @@ NoCloud seed (label ``CIDATA``) that holds:
 * ``user-data``: a ``bootcmd`` that mounts the seed and runs the checker's ``early`` part;
 * ``nodetrust-boottest.py``: the in-guest checker (:mod:`imagebuilder.guest.boottest_check`,
   standard library only, run by the image's own ``python3``);
+* ``nodecheck.py``: its node checks (:mod:`imagebuilder.guest.nodecheck`), imported by the checker;
 * ``expect.json``: what the image must hold, derived from the build's ``manifest.json``
   (:func:`expect_from_manifest`): the Kubernetes version installed and held and the staged
   versions with their folders, every staged file with its digest and mode (the SPIRE agent,
   its TPM plugin, OVN-Kubernetes, the staged Kubernetes debs, the agent's units), the agent's
-  venv, version, configuration folder and enabled units, and the package list.
+  venv, version, configuration folder and enabled units, the package list, and the node: the host
+  configuration, the container runtime and its imported images, the GPU stack
+  (:func:`imagebuilder.nodespec.expectations`).
 
 The guest reports on its data port (the second serial port, a file on the host): one line per
 part, ``NODETRUST-BOOTTEST-EARLY <sha256> <json>`` and ``NODETRUST-BOOTTEST <sha256> <json>``,
@@ -39,11 +42,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from imagebuilder import media, outputs
+from imagebuilder import media, nodespec, outputs
 from imagebuilder.bootvm import BootSpec, BootVm
 from imagebuilder.definition import Definition
 from imagebuilder.domain import DATA_PORT
 from imagebuilder.errors import BootTestFailed, OutputError, VmError
+from imagebuilder.guest.nodecheck import check_names as node_check_names
 from imagebuilder.staging import StagedFile, staged_files
 
 log = logging.getLogger(__name__)
@@ -51,6 +55,7 @@ log = logging.getLogger(__name__)
 EARLY = "NODETRUST-BOOTTEST-EARLY"
 LATE = "NODETRUST-BOOTTEST"
 SCRIPT = "nodetrust-boottest.py"
+NODE_SCRIPT = "nodecheck.py"  # imported by SCRIPT, from the same folder
 EXPECT = "expect.json"
 REPORT = "boot-test.json"
 REPORT_MEDIA_TYPE = "application/json"
@@ -90,6 +95,7 @@ def image_contents(defn: Definition, files: Sequence[StagedFile], agent_requirem
             "units": units,
             "service": services[0] if services else "",
         },
+        "node": nodespec.expectations(defn.node),
     }
 
 
@@ -137,6 +143,7 @@ def expect_from_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
         "kubernetes": kube,
         "files": files,
         "agent": agent,
+        "node": contents.get("node") or {},
         "packages": [
             {"name": p["name"], "version": p["version"], "architecture": p["architecture"]} for p in packages
         ],
@@ -149,7 +156,9 @@ def expected_checks(expect: Mapping[str, Any]) -> list[str]:
     if expect.get("kubernetes"):
         names += ["kubernetes/installed", "kubernetes/held", "kubernetes/staged"]
     names += [f"files/{group}" for group in sorted({str(e["group"]) for e in expect.get("files", [])})]
-    names += ["agent/venv", "agent/units", "agent/tpm", "agent/service", "packages", "cloud-init"]
+    names += ["agent/venv", "agent/units", "agent/tpm", "agent/service"]
+    names += node_check_names(expect.get("node") or {})
+    names += ["packages", "cloud-init"]
     if expect.get("measured_boot"):
         names += ["measured-boot/event-log", "measured-boot/reference"]
     return names
@@ -158,8 +167,8 @@ def expected_checks(expect: Mapping[str, Any]) -> list[str]:
 # -- the seed --------------------------------------------------------------------------------------
 
 
-def checker_source() -> str:
-    return resources.files("imagebuilder.guest").joinpath("boottest_check.py").read_text(encoding="utf-8")
+def checker_source(name: str = "boottest_check.py") -> str:
+    return resources.files("imagebuilder.guest").joinpath(name).read_text(encoding="utf-8")
 
 
 def user_data() -> str:
@@ -183,6 +192,7 @@ def make_seed(expect: Mapping[str, Any], out: Path, *, label: str = "image") -> 
         (tree / "user-data").write_text(user_data(), encoding="utf-8")
         (tree / "meta-data").write_text(meta_data(label), encoding="utf-8")
         (tree / SCRIPT).write_text(checker_source(), encoding="utf-8")
+        (tree / NODE_SCRIPT).write_text(checker_source("nodecheck.py"), encoding="utf-8")
         (tree / EXPECT).write_text(json.dumps(expect, indent=1, sort_keys=True) + "\n", encoding="utf-8")
         seed = media.make_iso(tree, out, label=media.SEED_LABEL)
     seed.chmod(0o644)

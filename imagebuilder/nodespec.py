@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from imagebuilder.errors import DefinitionError
+from imagebuilder.errors import BuildError, DefinitionError
 
 MODULES_FILE = "/etc/modules-load.d/90-nodetrust.conf"
 SYSCTL_FILE = "/etc/sysctl.d/90-nodetrust.conf"
@@ -464,6 +464,11 @@ def plan_lines(rendered: Rendered, tree: Path, *, image_files: Mapping[str, str]
         lines.append(f"enable\t{unit}\trequired")
     for unit in rendered.mask:
         lines.append(f"mask\t{unit}")
+    if missing := [i.artifact for i in rendered.images if i.artifact not in image_files]:
+        raise BuildError(
+            f"container_runtime.images: {', '.join(missing)} is not among the build's staged inputs",
+            hint="run `imagebuilder lock` again: the lock must hold every artifact the definition imports",
+        )
     if rendered.images:
         listing = "".join(f"{image_files[i.artifact]}\t{i.ref}\n" for i in rendered.images)
         (tree / "node").mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ Tree of a medium::
     files/<artifact>/...     tarballs, binaries, OCI archives, debs to stage
     wheels/                  the agent wheel, its dependencies, pip
     units/                   systemd units and drop-ins of the agent
+    node/                    the node's host, container runtime and GPU files (imagebuilder.nodespec) and
+                             images.tsv, the OCI archives (under files/) imported into containerd's store
     keys/<user>.keys         authorized SSH keys
     info/image.json          /etc/nodetrust/image.json in the target
 
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from imagebuilder import aptrepo
+from imagebuilder import aptrepo, nodespec
 from imagebuilder.autoinstall import PROVISION_INIT, STAGE_SCRIPT, template_text
 from imagebuilder.bootmeasure import BOOT_INFO
 from imagebuilder.definition import Definition
@@ -182,9 +184,17 @@ def build_tree(
         if kube is not None:
             plan.append("hold\t" + " ".join(kube.packages))
 
+    imported = _imported(defn)
+    image_files: dict[str, str] = {}  # artifact -> its path on the medium, for the node's image import
     for staged in files:
         item = staged.item
         if item.role != "stage":
+            continue
+        if item.kind == "oci-archive" and item.name in imported:
+            # imported into containerd's store by the node plan below, never left in the image as a tarball
+            rel = f"files/{plain_name(item.name, 'name')}/{plain_name(item.filename)}"
+            place(staged.path, tree / rel)
+            image_files[item.name] = rel
             continue
         if item.kind == "deb" and item.key.startswith("kubernetes/"):
             rel = f"staged/{plain_name(item.key.split('/')[1], 'version')}/{plain_name(item.filename)}"
@@ -215,6 +225,8 @@ def build_tree(
             plan.append(f"enable\t{Path(unit.destination).name}\trequired")
     for name in defn.agent.enable:
         plan.append(f"enable\t{name}\toptional")
+    # the node: host configuration, the container runtime (its images imported last), the GPU stack's units
+    plan += nodespec.plan_lines(nodespec.render(defn.node), tree, image_files=image_files)
 
     info = tree / "info" / "image.json"
     info.parent.mkdir(parents=True, exist_ok=True)
@@ -239,6 +251,12 @@ def build_tree(
         plan.append(f"bootloader\t{BOOT_INFO}")
     plan += ["report", "generalise", "trim"]
     return _write_plan(tree, plan)
+
+
+def _imported(defn: Definition) -> set[str]:
+    """The artifacts the container runtime imports at build time (not staged as files)."""
+    runtime = defn.node.runtime
+    return {image.artifact for image in runtime.images} if runtime is not None else set()
 
 
 def _mode(item: LockedInput) -> str:
@@ -347,9 +365,10 @@ def staged_files(defn: Definition, files: Sequence[StagedFile]) -> list[dict[str
     """Every file the staging plan puts at a fixed path: ``group`` (what it belongs to), ``path``,
     ``sha256`` and ``mode`` (or ``link`` for a symbolic link), sorted by path."""
     out: list[dict[str, Any]] = []
+    imported = _imported(defn)
     for staged in files:
         item = staged.item
-        if item.role != "stage":
+        if item.role != "stage" or (item.kind == "oci-archive" and item.name in imported):
             continue
         if item.kind == "tarball":
             out += list(_tar_members(staged))

@@ -25,8 +25,9 @@ and ``cloud-final.service``.
 versions, every staged file (artifacts, Kubernetes debs, the agent's units) at its path with
 its digest and mode, the agent's venv and version, its units enabled, the agent's own TPM code
 reading the EK, ``nodeagent.service`` having run under systemd (and stopped for want of a
-configuration, exit status 2, as an image without a node pool release must), the package
-list equal to the manifest's, and cloud-init finished without errors.
+configuration, exit status 2, as an image without a node pool release must), the node's host
+configuration, container runtime (its images imported) and GPU stack (``nodecheck.py``, next to this
+script), the package list equal to the manifest's, and cloud-init finished without errors.
 
 Each part writes its checks as one JSON line on the data port (``NODETRUST-BOOTTEST-EARLY`` /
 ``NODETRUST-BOOTTEST``, followed by the SHA-256 of the JSON, then the JSON) and a PASS/FAIL line
@@ -51,6 +52,7 @@ from typing import Any
 
 STATE = Path("/run/nodetrust-boottest")
 SCRIPT = "nodetrust-boottest.py"
+NODE_SCRIPT = "nodecheck.py"  # the node checks (imagebuilder/guest/nodecheck.py), next to this script
 EXPECT = "expect.json"
 LATE_UNIT = "nodetrust-boottest-late"
 TIME_WAIT_SYNC = "systemd-time-wait-sync.service"
@@ -355,6 +357,15 @@ def check_cloud_init(root: Path) -> Check:
     return _check("cloud-init", True, f"done, no errors (datasource {result.get('datasource', '?')})")
 
 
+def _node_checks(root: Path, expect: dict[str, Any]) -> list[Check]:
+    """The host configuration, the container runtime and the GPU stack (nodecheck.py, shipped beside us)."""
+    sys.path.insert(0, str(STATE))
+    import nodecheck  # type: ignore[import-not-found,unused-ignore]
+
+    found: list[Check] = nodecheck.check_node(root, expect.get("node") or {})
+    return found
+
+
 # -- measured boot ---------------------------------------------------------------------------------
 
 EVENT_LOG = Path("/sys/kernel/security/tpm0/binary_bios_measurements")
@@ -411,7 +422,7 @@ def _guarded(name: str, func: Any, *args: Any) -> list[Check]:
 
 def early(seed: Path) -> int:
     STATE.mkdir(parents=True, exist_ok=True)
-    for name in (SCRIPT, EXPECT):
+    for name in (SCRIPT, NODE_SCRIPT, EXPECT):
         shutil.copyfile(seed / name, STATE / name)
     expect = json.loads((STATE / EXPECT).read_text())
     root = Path("/")
@@ -461,6 +472,7 @@ def late() -> int:
     checks += _guarded("kubernetes", check_kubernetes, expect)
     checks += _guarded("files", check_files, root, expect)
     checks += _guarded("agent", check_agent, expect)
+    checks += _guarded("node", _node_checks, root, expect)
     checks += _guarded("packages", check_packages, expect)
     checks += _guarded("cloud-init", check_cloud_init, root)
     _rc, kernel = _run("uname", "-r")

@@ -35,6 +35,17 @@ def _item(key: str, kind: str, role: str, path: Path, **extra: object) -> Staged
     return StagedFile(item, path)
 
 
+def _images(payload_root: Path) -> list[StagedFile]:
+    """The fixture definition's OCI archives, which its container runtime imports at build time."""
+    found = {
+        "pause-image": payload_root / "images/pause/3.10.2/pause-3.10.2-linux-amd64.tar",
+        "kube-proxy-image": payload_root / "k8s-release/v1.36.3/bin/linux/amd64/kube-proxy.tar",
+        "ovn-kubernetes-image": payload_root / "ovn-kubernetes/v2.4.2/ovn-kube-image-2.4.2-linux-amd64.tar",
+    }
+    return [_item(f"artifact/{name}", "oci-archive", "stage", path, destination=f"/opt/x/{name}.tar")
+            for name, path in found.items()]  # fmt: skip
+
+
 def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
     defn = load_definition(
         REPO / "examples/fixture-node.yaml", environ={"IMAGEBUILDER_FIXTURE_ISO": "/x.iso"}
@@ -49,6 +60,7 @@ def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
               destination="/opt/nodetrust/staged/kubernetes/1.37.2/"),
         _item("artifact/spire-agent", "tarball", "stage", spire, destination="/opt/spire/1.14.1/", strip_components=1),
         _item("artifact/tool", "binary", "stage", spire, destination="/usr/local/bin/tool", mode="0755"),
+        *_images(payload_root),
     ]  # fmt: skip
     wheel = tmp_path / "pip-26.3-py3-none-any.whl"
     wheel.write_bytes(b"wheel")
@@ -70,6 +82,19 @@ def test_the_plan(tmp_path: Path, payload_root: Path) -> None:
     assert "enable\tnodeagent.service\trequired" in plan
     assert "enable\tsystemd-time-wait-sync.service\toptional" in plan
     assert "user\tnodeadmin\tyes\t/bin/bash\tkeys/nodeadmin.keys" in plan
+    # the node (imagebuilder.nodespec): its files, units and masks, then its images imported, not staged as files
+    assert "file\tnode/00-90-nodetrust.conf\t/etc/modules-load.d/90-nodetrust.conf\t0644" in plan
+    assert "mask\tswap.target" in plan and "enable\tcontainerd.service\trequired" in plan
+    images = plan.index("images\tk8s.io\tnode/images.tsv\t/etc/containerd/config.toml")
+    assert images > plan.index("enable\tnodeagent.service\trequired")
+    assert images > max(
+        i for i, line in enumerate(plan) if line.endswith("\t/etc/containerd/config.toml\t0644")
+    )
+    assert not [line for line in plan if "/opt/x/" in line]
+    listed = (tree / "node/images.tsv").read_text().splitlines()
+    assert listed[0] == "files/pause-image/pause-3.10.2-linux-amd64.tar\tregistry.k8s.io/pause:3.10.2"
+    assert (tree / "files/pause-image/pause-3.10.2-linux-amd64.tar").is_file()
+    assert not [e for e in staged_files(defn, files) if e["path"].startswith("/opt/x/")]
     # the measured boot chain (imagebuilder.bootmeasure) after everything that changes /boot
     assert plan[-5:] == ["sshd\tno", "bootloader\t/etc/nodetrust/boot.json", "report", "generalise", "trim"]
     assert (tree / "plan.tsv").read_text() == "\n".join(plan) + "\n"
@@ -90,7 +115,7 @@ def test_the_base_plan_and_what_moves_its_digest(tmp_path: Path, payload_root: P
     k8s = payload_root / "k8s/core:/stable:/v1.36/deb/amd64"
     fapi = _item("deb/libtss2-fapi1", "deb", "apt", k8s / "cri-tools_1.36.0-1.1_amd64.deb")
     kubeadm = _item("kubernetes/1.36.3/kubeadm", "deb", "apt", k8s / "kubeadm_1.36.3-1.1_amd64.deb")
-    files = [fapi, kubeadm]
+    files = [fapi, kubeadm, *_images(payload_root)]
     base_keys = {"deb/libtss2-fapi1"}
     pip = tmp_path / "pip-26.3-py3-none-any.whl"
     pip.write_bytes(b"pip wheel")
