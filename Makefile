@@ -51,7 +51,7 @@ test: deps peers
 unit: deps
 	scripts/run-tests.sh fast
 
-vm-test: deps
+vm-test: deps peers
 	scripts/run-tests.sh vm
 
 demo: deps peers

@@ -30,7 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.payload_server import PayloadServer, build_payloads  # noqa: E402
+from tests.support.payload_server import REAL_PAYLOADS, PayloadServer, build_payloads  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "fixture-node.yaml"
 CACHE = REPO / ".cache" / "imagebuilder-vm-tests"
@@ -97,12 +97,19 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     _require_host()
     from fixtures.installer.build import build_installer_iso
     from fixtures.installer.proc import BuildError
+    from tests.support.peers import PeerError
 
     try:
-        iso = build_installer_iso().iso
+        built = build_installer_iso()
     except BuildError as exc:
         pytest.fail(f"building the fixture installer ISO failed: {exc}")
-    root = build_payloads(REPO / ".cache" / "imagebuilder-payloads")
+    iso = built.iso
+    try:
+        # the real kubeadm, kubelet and kubectl (make peers), the NVIDIA stand-ins for the installer's kernel
+        root = build_payloads(REAL_PAYLOADS, real_kubernetes=True,
+                              kernel=str(built.manifest.get("kernel") or ""))  # fmt: skip
+    except PeerError as exc:
+        pytest.fail(f"the fixture payloads need the test peers: {exc}")
     server = PayloadServer(root)
     CACHE.mkdir(parents=True, exist_ok=True)
     environ = {

@@ -107,6 +107,11 @@ def test_the_image_contents_match_the_manifest(full_build: Build) -> None:
             assert files.read("/etc/machine-id") == b""
             assert not [n for n in files.listdir("/etc/ssh") if n.startswith("ssh_host_")]
             assert files.listdir("/etc/nodeagent") == []
+            # the container runtime's images are in containerd's store, imported at build time, not tarballs
+            assert files.exists("/var/lib/containerd/io.containerd.metadata.v1.bolt/meta.db")
+            assert not files.exists("/opt/nodetrust/staged/images")
+            assert "SystemdCgroup = true" in files.text("/etc/containerd/config.toml")
+            assert files.text("/etc/sysctl.d/90-nodetrust.conf").endswith("net.ipv4.ip_forward = 1\n")
             site = "/opt/nodeagent/venv/lib/python3.11/site-packages"
             assert {"agent", "protocol", "tpm2_pytss", "cryptography"} <= set(files.listdir(site))
             assert files.exists("/opt/nodeagent/venv/bin/nodeagent")
@@ -151,6 +156,19 @@ NAMED_CHECKS = (
     "agent/units",
     "agent/tpm",
     "agent/service",
+    # the node (imagebuilder.nodespec, checked by imagebuilder/guest/nodecheck.py)
+    "node/files",
+    "node/units",
+    "node/kernel-modules",
+    "node/sysctls",
+    "node/swap",
+    "node/cgroup",
+    "node/time-sync",
+    "container-runtime/containerd",
+    "container-runtime/images",
+    "gpu/packages",
+    "gpu/kernel-modules",
+    "gpu/container-toolkit",
     "packages",
     "cloud-init",
     "measured-boot/event-log",
@@ -176,6 +194,21 @@ def test_the_build_boot_tested_the_image(full_build: Build) -> None:
     assert checks["kubernetes/staged"]["detail"] == "staged: 1.34.2, 1.35.3, 1.37.2"
     assert checks["agent/units"]["detail"] == "nodeagent.service enabled"
     assert "ran at boot and stopped with status 2" in checks["agent/service"]["detail"]
+    # the node: containerd running with the images the build imported (seen through CRI by crictl), the host
+    # configuration applied at this boot, the GPU stand-ins' modules built for the running kernel
+    assert (
+        "3 imported into k8s.io at build time, listed by crictl"
+        in checks["container-runtime/images"]["detail"]
+    )
+    assert (
+        "CRI enabled, systemd cgroups, sandbox registry.k8s.io/pause:3.10.2"
+        in (checks["container-runtime/containerd"]["detail"])
+    )
+    assert checks["node/sysctls"]["detail"] == "3 applied at boot"
+    assert checks["node/swap"]["detail"] == "no active swap; swap.target masked"
+    assert checks["gpu/kernel-modules"]["detail"].startswith(
+        f"precompiled for the running kernel {report['kernel']}"
+    )
     # tpm2-pytss (compiled by the lock for Python 3.11) and the agent's TPM code read the swtpm's EK
     assert re.fullmatch(r".*sha256 [0-9a-f]{64}", checks["agent/tpm"]["detail"])
     # the report is an output of the build: in the manifest, SHA256SUMS and the phases

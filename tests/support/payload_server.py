@@ -59,6 +59,9 @@ REPO = Path(__file__).resolve().parents[2]
 SECRET_KEY = Path(__file__).resolve().parent / "data" / "fixture-payload-signing.secret.asc"
 PUBLIC_KEY = REPO / "examples" / "keys" / "fixture-payload-signing.asc"
 DEFAULT_ROOT = REPO / ".cache" / "imagebuilder-payloads"
+REAL_PAYLOADS = (
+    REPO / ".cache" / "imagebuilder-payloads-real"
+)  # real_kubernetes=True: the VM tier's and make demo's
 DEFAULT_PORT = 8765
 EPOCH = 1767225600  # 2026-01-01T00:00:00Z, every mtime in the payloads
 FORMAT = "5"  # bump when the payloads change
@@ -242,6 +245,7 @@ def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = D
     are missing); ``kernel``: the kernel release the NVIDIA stand-in modules are built for (the fixture
     installer's ``build.json`` ``kernel``).
     """
+    kernel = kernel or DEFAULT_KERNEL
     recipe = f"{FORMAT} {'real' if real_kubernetes else 'stand-in'} {kernel}"
     stamp = root / ".complete"
     if stamp.is_file() and stamp.read_text().strip() == recipe:
