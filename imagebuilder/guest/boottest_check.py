@@ -359,10 +359,14 @@ def check_cloud_init(root: Path) -> Check:
 
 def _node_checks(root: Path, expect: dict[str, Any]) -> list[Check]:
     """The host configuration, the container runtime and the GPU stack (nodecheck.py, shipped beside us)."""
-    sys.path.insert(0, str(STATE))
-    import nodecheck  # type: ignore[import-not-found,unused-ignore]
+    import importlib.util
 
-    found: list[Check] = nodecheck.check_node(root, expect.get("node") or {})
+    spec = importlib.util.spec_from_file_location("nodecheck", STATE / NODE_SCRIPT)
+    if spec is None or spec.loader is None:
+        return [_check("node", False, f"cannot load {STATE / NODE_SCRIPT}")]
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found: list[Check] = module.check_node(root, expect.get("node") or {})
     return found
 
 
