@@ -31,7 +31,7 @@ cluster: deps peers
 lint: deps
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy protocol agent server imagebuilder tests bench scripts vm-tests fixtures
+	$(VENV)/bin/mypy protocol agent server imagebuilder imager tests bench scripts vm-tests fixtures
 
 proto: deps
 	$(PY) scripts/genproto.py

@@ -50,6 +50,7 @@ from demo_common import (
     ROOT,
     TRUST_DOMAIN,
     DemoError,
+    leaked_tokens,
     say,
     server_config,
     show_measured_boot,
@@ -471,12 +472,16 @@ def verdict(work: Path, audit: list[dict[str, Any]], guest: GuestSteps, logs: li
     if bad := [e for e in audit if e.get("result") != "ok"]:
         problems.append(f"{len(bad)} audit line(s) are not ok: {bad}")
     token_ids = {e.get("token_id") for e in joins if e.get("result") == "ok"}
+    revoked = {
+        e.get("token_id") for e in audit if e.get("event") == "joined" and e.get("token_revoked") is True
+    }
     manifests = {
         p.stem.removeprefix("bootstrap-token-") for p in (work / "server" / "tokens").glob("*.yaml")
     }
-    if not token_ids or not token_ids <= manifests:
+    if not token_ids or not token_ids <= revoked or token_ids & manifests:
         problems.append(
-            f"the token folder has {sorted(manifests)}, the audit log issued {sorted(map(str, token_ids))}"
+            f"the audit log issued tokens {sorted(map(str, token_ids))} and revoked {sorted(map(str, revoked))}; "
+            f"the token folder still has {sorted(manifests)}: the node's report must revoke the token it used"
         )
     by_step = {e.get("name"): e for e in guest.entries}
     for name in ("attest", "check", "join", "kubeadm"):
@@ -495,10 +500,13 @@ def verdict(work: Path, audit: list[dict[str, Any]], guest: GuestSteps, logs: li
             )
     if guest.done is None or not guest.done.get("ok"):
         problems.append("the node did not report the chain as complete")
-    for secret in token_secrets(work):
-        for log in logs:
-            if log.exists() and secret in log.read_text(errors="replace"):
-                problems.append(f"the join token's secret appears in {log}: it must never be logged")
+    # the secrets themselves are gone with their revoked manifests: a token of this id in any form but
+    # the redacted one is a leaked secret
+    for log in logs:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        for secret in [*token_secrets(work), *leaked_tokens(text, token_ids)]:
+            if secret in text:
+                problems.append(f"a join token's secret appears in {log}: it must never be logged")
     return problems
 
 

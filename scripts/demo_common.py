@@ -96,6 +96,14 @@ def token_secrets(work: Path) -> list[str]:
     return found
 
 
+def leaked_tokens(text: str, token_ids: set[Any]) -> list[str]:
+    """Every whole bootstrap token (``id.secret``) of ``token_ids`` in ``text``."""
+    found = []
+    for token_id in sorted(str(t) for t in token_ids if t):
+        found += re.findall(rf"(?<![a-z0-9]){re.escape(token_id)}\.[a-z0-9]{{16}}(?![a-z0-9])", text)
+    return found
+
+
 def show_token_and_audit(work: Path) -> list[dict[str, Any]]:
     """Print the token manifests (the secret half redacted) and the audit lines; return the audit."""
     for manifest in sorted((work / "server" / "tokens").glob("*.yaml")):

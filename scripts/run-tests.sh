@@ -12,7 +12,7 @@ if [ "$what" = all ] || [ "$what" = fast ]; then
   echo "== lint"
   ruff check .
   ruff format --check .
-  mypy protocol agent server imagebuilder tests bench scripts vm-tests fixtures
+  mypy protocol agent server imagebuilder imager tests bench scripts vm-tests fixtures
 fi
 
 status=0

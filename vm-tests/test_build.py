@@ -192,7 +192,7 @@ def test_the_build_boot_tested_the_image(full_build: Build) -> None:
         == "kubeadm 1.36.3-1.1; kubelet 1.36.3-1.1; kubectl 1.36.3-1.1"
     )
     assert checks["kubernetes/staged"]["detail"] == "staged: 1.34.2, 1.35.3, 1.37.2"
-    assert checks["agent/units"]["detail"] == "nodeagent.service enabled"
+    assert checks["agent/units"]["detail"] == "nodeagent.service enabled, nodeagent-reattest.timer enabled"
     assert "ran at boot and stopped with status 2" in checks["agent/service"]["detail"]
     # the node: containerd running with the images the build imported (seen through CRI by crictl), the host
     # configuration applied at this boot, the GPU stand-ins' modules built for the running kernel

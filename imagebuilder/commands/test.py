@@ -11,7 +11,14 @@ from typing import Any
 
 from imagebuilder import boottest, interrupt
 from imagebuilder.accel import boot_id, choose_accel
-from imagebuilder.buildfolder import MANIFEST, QCOW2_MEDIA_TYPE
+from imagebuilder.buildfolder import (
+    MANIFEST,
+    QCOW2_MEDIA_TYPE,
+    digests_equal,
+    is_safe_name,
+    is_sha256_hex,
+    sha256_bytes,
+)
 from imagebuilder.cache import default_cache_dir
 from imagebuilder.commands.options import COMMAND_OPTIONS, TABLE
 from imagebuilder.errors import OutputError
@@ -151,16 +158,49 @@ def _check_report_path(report: Path, folder: Path | None) -> None:
         )
 
 
-def _measurements(folder: Path | None) -> bytes | None:
-    """The build's boot-measurements.json beside the image, if the build wrote one (its log must match)."""
-    path = folder / "boot-measurements.json" if folder is not None else None
-    return path.read_bytes() if path is not None and path.is_file() else None
+MEASUREMENTS_LIMIT = 1 << 20  # a build's boot-measurements.json is a few kilobytes
+
+
+def _measurements(manifest: dict[str, Any], manifest_dir: Path) -> bytes | None:
+    """The build's boot-measurements.json (named by the manifest, beside it), checked against the digest the
+    manifest lists for it before use; None when the manifest names no boot measurements."""
+    section = manifest.get("boot_measurements")
+    if not section:
+        return None
+    name = str(section.get("file", "")) if isinstance(section, dict) else ""
+    listed = [o for o in manifest.get("outputs", []) if isinstance(o, dict) and o.get("name") == name]
+    if not is_safe_name(name) or len(listed) != 1 or not is_sha256_hex(listed[0].get("sha256")):
+        raise OutputError(
+            f"{manifest_dir / MANIFEST}: boot_measurements names {name!r}, which its outputs do not list "
+            "once with a sha256",
+            hint="pass the manifest.json the build published, unchanged",
+        )
+    path = manifest_dir / name
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(MEASUREMENTS_LIMIT + 1)
+    except FileNotFoundError:
+        raise OutputError(
+            f"{path}: the manifest names boot measurements, and they are not beside it",
+            hint="keep the build folder's files together (the boot test compares the booted image's event log "
+            "with them)",
+        ) from None
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot read the boot measurements: {exc.strerror}") from exc
+    if len(data) > MEASUREMENTS_LIMIT or not digests_equal(sha256_bytes(data), str(listed[0]["sha256"])):
+        raise OutputError(
+            f"{path}: its SHA-256 is not the one the manifest lists: the build's boot reference was changed",
+            hint="use the build folder as the build published it (`imagebuilder verify` checks it)",
+        )
+    return data
 
 
 def run(args: argparse.Namespace) -> int:
     if args.verbose == 0:
         logging.getLogger("imagebuilder").setLevel(logging.INFO)
     image, manifest, folder = resolve_target(args.target, args.manifest)
+    manifest_dir = (args.manifest or (folder or image.parent) / MANIFEST).parent
+    measurements = _measurements(manifest, manifest_dir)  # verified before any VM starts
     boottest.expect_from_manifest(manifest)  # a manifest without what the test needs fails before any VM
     if args.report is not None:
         _check_report_path(args.report, folder)
@@ -178,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
                 libvirt_uri=args.libvirt_uri,
                 keep_work=args.keep_work,
                 total_s=args.timeout,
-                measurements=_measurements(folder),
+                measurements=measurements,
             )
         )
     if args.report is not None:

@@ -193,7 +193,7 @@ def test_the_verdict_reads_the_servers_records(tmp_path: Path) -> None:
     problems = demo.verdict(tmp_path, [], guest, [])
     assert any("no successful attestation" in p for p in problems)
     assert any("no successful join of demo-node-1" in p for p in problems)
-    audit = [
+    audit: list[dict[str, Any]] = [
         {"event": "attest", "result": "ok", "ek_trust": "ca"},
         {"event": "join", "result": "ok", "node_name": "demo-node-1", "pool": "cpu", "token_id": "abcdef"},
     ]
@@ -202,9 +202,17 @@ def test_the_verdict_reads_the_servers_records(tmp_path: Path) -> None:
     )
     log = tmp_path / "console.log"
     log.write_text("nothing secret\n")
+    # issued, but never revoked by the node's report: its manifest is still in the folder
+    assert any("must revoke the token it used" in p for p in demo.verdict(tmp_path, audit, guest, [log]))
+    audit.append({"event": "joined", "result": "ok", "token_id": "abcdef", "token_revoked": True})
+    assert any("still has ['abcdef']" in p for p in demo.verdict(tmp_path, audit, guest, [log]))
+    (tokens / "bootstrap-token-abcdef.yaml").unlink()
     assert demo.verdict(tmp_path, audit, guest, [log]) == []
+    # with the manifest gone, the token of the issued id in clear in any log is still found
     log.write_text("oops abcdef.0123456789abcdef\n")
     assert any("appears in" in p for p in demo.verdict(tmp_path, audit, guest, [log]))
+    log.write_text("token abcdef.<redacted>; xabcdef.0123456789abcdef0 is not it\n")
+    assert demo.verdict(tmp_path, audit, guest, [log]) == []
 
 
 def test_a_console_that_shows_a_dead_boot_stops_the_demo_at_once() -> None:

@@ -438,3 +438,60 @@ def test_the_swtpm_socket_path_fits_a_unix_socket(tmp_path: Path) -> None:
     )
     vm.__exit__(None, None, None)
     assert not path.parent.exists()
+
+
+def _with_measurements(
+    folder: Path, manifest: dict[str, Any], data: bytes, *, listed: bytes | None = None, drop: bool = False
+) -> None:
+    if not drop:  # drop: the manifest names the file, the folder lacks it
+        (folder / "boot-measurements.json").write_bytes(data)
+    digest = hashlib.sha256(data if listed is None else listed).hexdigest()
+    manifest = {
+        **manifest,
+        "outputs": [*manifest["outputs"], {"name": "boot-measurements.json", "sha256": digest}],
+        "boot_measurements": {"file": "boot-measurements.json", "pcrs": [4, 8, 9]},
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_the_command_gives_the_boot_test_the_measurements_beside_the_manifest_it_names(
+    folder: Path, manifest: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy of the image tested with --manifest still gets the build's boot reference (from beside the
+    manifest), checked against the digest the manifest lists."""
+    _with_measurements(folder, manifest, b'{"reference": 1}')
+    seen: list[boottest.BootTestOptions] = []
+
+    def fake(opts: boottest.BootTestOptions) -> Verdict:
+        seen.append(opts)
+        return _verdict()
+
+    monkeypatch.setattr(boottest, "run_boot_test", fake)
+    copy = tmp_path / "copy.qcow2"
+    copy.write_bytes(QCOW2_MAGIC)
+    assert cli.main(["test", str(copy), "--manifest", str(folder / "manifest.json"), "--accel", "tcg"]) == 0
+    assert cli.main(["test", str(folder), "--accel", "tcg"]) == 0
+    assert [o.measurements for o in seen] == [b'{"reference": 1}'] * 2
+
+
+@pytest.mark.parametrize(
+    ("setup", "message"),
+    [
+        (lambda f, m: _with_measurements(f, m, b"{}", listed=b"other"), "is not the one the manifest lists"),
+        (lambda f, m: _with_measurements(f, m, b"{}", drop=True), "not beside it"),
+        (lambda f, m: (f / "manifest.json").write_text(json.dumps({**m, "boot_measurements": {"file": "../x"}})),
+         "which its outputs do not list"),
+    ],
+)  # fmt: skip
+def test_the_command_refuses_boot_measurements_it_cannot_trust(
+    folder: Path,
+    manifest: dict[str, Any],
+    setup: Any,
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(boottest, "run_boot_test", _no_vm)
+    setup(folder, manifest)
+    assert cli.main(["test", str(folder), "--accel", "tcg"]) == 8
+    assert message in capsys.readouterr().err
