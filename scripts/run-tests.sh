@@ -22,7 +22,7 @@ if [ "$what" = all ] || [ "$what" = vm ]; then
 fi
 if [ "$what" = all ] || [ "$what" = fast ]; then
   echo "== tests (unit, swtpm, libvirt test driver, store)"
-  python -m pytest tests -q -m "not vm and not peers" || status=$?
+  python -m pytest tests -q -m "not vm and not peers" --durations=20 || status=$?
 fi
 if [ "$what" = all ] || [ "$what" = peers ]; then
   echo "== peers (tier 6: a real control plane, kubeadm and kubelet from interop/)"

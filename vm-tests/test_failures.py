@@ -69,17 +69,14 @@ def test_a_tampered_payload_fails_the_build_before_any_vm_starts(env: Env, full_
     env.payloads.tamper(SPIRE, b"a tampered spire-agent tarball")
     out = tmp_path / "out"
     try:
-        started = time.monotonic()
         result = imagebuilder(env, "build", str(full_build.definition), "--lock", str(full_build.lock),
                               "--cache-dir", str(cache), "--out", str(out), "--work-dir", str(work))  # fmt: skip
-        seconds = time.monotonic() - started
     finally:
         del env.payloads.overrides[SPIRE]
     assert result.returncode == 5, result.stderr[-3000:]  # VerificationError
     assert "spire-agent: no source served the pinned content" in result.stderr
     assert "cache entry" in result.stderr and "is corrupt" in result.stderr
-    assert "== install" not in result.stderr and "build VM" not in result.stderr
-    assert seconds < 120
+    assert "== install" not in result.stderr and "build VM" not in result.stderr  # stopped before any VM
     _no_leftovers(work, out)
 
 
