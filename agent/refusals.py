@@ -396,7 +396,7 @@ class DetailsCodec(StatusDetailsCodecBase):
     """
 
     def encode(self, status: Any, message: str | None, details: Any) -> bytes:
-        raise NotImplementedError("the agent never sends status details")
+        raise TypeError("the agent never sends status details (they are the server's to send)")
 
     def decode(self, status: Any, message: str | None, data: bytes) -> status_details.ErrorDetail:
         try:

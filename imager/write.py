@@ -21,6 +21,7 @@ docs/bare-metal.md, "Raw or QCOW2", gives the measured trade-off (``bench/imager
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import logging
 import mmap
@@ -90,7 +91,7 @@ class _Pool:
             self.free.put(buf)
 
 
-class _Stage(threading.Thread):
+class _Stage(threading.Thread, abc.ABC):
     """One stage of the pipeline (hash or write) in its own thread: both read a buffer at once."""
 
     def __init__(self, name: str, pool: _Pool) -> None:
@@ -113,8 +114,9 @@ class _Stage(threading.Thread):
             finally:
                 self.pool.release(buf)
 
+    @abc.abstractmethod
     def handle(self, view: memoryview, offset: int) -> None:
-        raise NotImplementedError
+        """Consume one buffer of the image at ``offset``."""
 
 
 class _Hasher(_Stage):
