@@ -132,6 +132,9 @@ class ReleaseView:
     hints: Mapping[str, str] = field(default_factory=dict)
     cloud_init: Mapping[str, Artifact] = field(default_factory=dict)
     imager: Mapping[str, Artifact] = field(default_factory=dict)
+    # a release's copy of the build's boot-measurements.json (what a pool pins), with the PCRs it checks
+    boot_measurements: Artifact | None = None
+    measured_pcrs: tuple[int, ...] = ()
 
     def image(self, fmt: str | None = None) -> Image:
         """The image of format ``fmt`` (default: the first the manifest lists)."""
@@ -372,6 +375,12 @@ def _release_view(statement: Statement, manifest: dict[str, Any]) -> ReleaseView
         raise ReleaseFormatError(file, "imager must be an object with kernel and initrd")
     kubernetes = _obj(manifest.get("kubernetes"))
     policy, hints = _disk(file, manifest.get("disk"))
+    measured = manifest.get("boot_measurements")
+    pcrs = measured.get("pcrs") if isinstance(measured, dict) else None
+    if measured is not None and (
+        not isinstance(pcrs, list) or not all(isinstance(p, int) and 0 <= p < 24 for p in pcrs)
+    ):
+        raise ReleaseFormatError(file, "boot_measurements.pcrs must be a list of PCR numbers (0-23)")
     return ReleaseView(
         kind="release",
         name=statement.name,
@@ -387,6 +396,8 @@ def _release_view(statement: Statement, manifest: dict[str, Any]) -> ReleaseView
             role: _artifact(statement, obj, f"cloud_init.{role}") for role, obj in sorted(cloud.items())
         },
         imager={part: _artifact(statement, obj, f"imager.{part}") for part, obj in sorted(imager.items())},
+        boot_measurements=None if measured is None else _artifact(statement, measured, "boot_measurements"),
+        measured_pcrs=tuple(pcrs or ()),
     )
 
 

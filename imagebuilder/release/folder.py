@@ -37,8 +37,10 @@ import yaml
 from imagebuilder.buildfolder import (
     SHA256SUMS,
     SIGNATURE,
+    digests_equal,
     dump_json,
     format_sha256sums,
+    is_safe_name,
     load_manifest_bytes,
     sha256_file,
     write_atomic,
@@ -109,6 +111,33 @@ def _link_or_copy(source: Path, dest: Path) -> None:
 
 def _artifact(folder: Path, name: str) -> dict[str, Any]:
     return {"name": name, "sha256": sha256_file(folder / name), "size": (folder / name).stat().st_size}
+
+
+def _boot_measurements(build_dir: Path, manifest: Mapping[str, Any], part: Path) -> dict[str, Any] | None:
+    """The build's boot reference values (``boot_measurements``), copied into the release: the servers' pools
+    pin them (docs/attestation.md). The build folder's signature covers the file; it must also be the one
+    the manifest lists, and load as the server loads it."""
+    from protocol.errors import ProtocolError
+    from protocol.measurements import load
+
+    section = manifest.get("boot_measurements")
+    if not section:
+        return None
+    name = str(section.get("file", "")) if isinstance(section, Mapping) else ""
+    listed = [o for o in manifest.get("outputs", []) if isinstance(o, Mapping) and o.get("name") == name]
+    if not is_safe_name(name) or len(listed) != 1:
+        raise OutputError(
+            f"the build's manifest names boot measurements {name!r} that its outputs do not list"
+        )
+    shutil.copyfile(build_dir / name, part / name)
+    entry = _artifact(part, name)
+    if not digests_equal(entry["sha256"], str(listed[0].get("sha256", ""))):
+        raise OutputError(f"{build_dir / name}: not the boot measurements the build's manifest lists")
+    try:
+        reference = load((part / name).read_bytes())
+    except ProtocolError as exc:
+        raise OutputError(f"{build_dir / name}: the build's boot measurements do not load: {exc}") from None
+    return {**entry, "pcrs": sorted(reference.pcrs)}
 
 
 def release_name(spec: ReleaseSpec, version: str, architecture: str) -> str:
@@ -239,6 +268,8 @@ def _assemble(  # noqa: PLR0917 - one private step of write_release
             if f"{role}.user-data" in cloud
         },
     }
+    if (measurements := _boot_measurements(spec.build_dir, manifest, part)) is not None:
+        document["boot_measurements"] = measurements
     if spec.pool is not None:
         document["pool"] = spec.pool.pool
     if spec.events_url:
@@ -272,7 +303,8 @@ def _self_check(part: Path, public: PublicKey) -> None:
         view = read_manifest(read_statement(verified), (part / RELEASE_MANIFEST).read_bytes())
     except ValueError as exc:
         raise OutputError(f"the assembled release does not read back: {exc}") from None
-    for artifact in (*view.images, *view.cloud_init.values(), *view.imager.values()):
+    extra = () if view.boot_measurements is None else (view.boot_measurements,)
+    for artifact in (*view.images, *view.cloud_init.values(), *view.imager.values(), *extra):
         if sha256_file(part / artifact.name) != artifact.sha256:
             raise OutputError(f"{artifact.name}: changed while the release was assembled")
 

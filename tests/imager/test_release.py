@@ -7,7 +7,9 @@ validate`` (the peers build; that test is in the peers tier), blkid and mtools r
 
 from __future__ import annotations
 
+import base64
 import email
+import hashlib
 import json
 import subprocess
 import sys
@@ -19,10 +21,12 @@ import yaml
 
 from imagebuilder.errors import BuildError
 from imagebuilder.release import cloudinit
+from imagebuilder.trust import write_trust_outputs
 from imager.gpt import read_gpt
 from imager.params import Params
-from tests.imager.conftest import TARGET_SERIAL, Keys, Machine, sh
+from tests.imager.conftest import BUILD_ID, TARGET_SERIAL, Keys, Machine, sh
 from tests.imager.server import ReleaseServer, tls_certificate
+from tests.support.measuredboot import fixture_boot
 
 pytestmark = pytest.mark.subprocess
 REPO = Path(__file__).resolve().parents[2]
@@ -116,6 +120,54 @@ def test_a_tampered_build_gives_no_release(
         fh.write(b"\xff")
     made = _release(tmp_path, build, keys, server)
     assert made.returncode == 5 and "sha256 mismatch" in made.stderr
+    assert not [p for p in (tmp_path / "srv").iterdir() if p.name.startswith(("k8s-", ".k8s-"))]
+
+
+def _with_boot_measurements(build: Path, key: Path, raw: bytes) -> str:
+    """Add a boot-measurements.json to a signed build folder the way a build lists it, and sign it again."""
+    (build / "boot-measurements.json").write_bytes(raw)
+    manifest = json.loads((build / "manifest.json").read_text())
+    digest = hashlib.sha256(raw).hexdigest()
+    manifest["outputs"].append({"name": "boot-measurements.json", "sha256": digest, "size": len(raw),
+                                "media_type": "application/vnd.nodetrust.boot-measurements+json"})  # fmt: skip
+    manifest["boot_measurements"] = {"file": "boot-measurements.json", "pcrs": [4, 8, 9]}
+    (build / "manifest.json").write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")
+    write_trust_outputs(build, key=key)
+    return digest
+
+
+def test_a_release_carries_the_builds_boot_reference_values_for_the_pools(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """The build's boot-measurements.json is a release file, signed with the rest, and release.json names it
+    with the PCRs it checks: what a server's pool pins (its sha256) comes from the release an operator ships."""
+    build = build_folder(raw=False, name="node-build")
+    reference = tmp_path / "reference.json"
+    fixture_boot().write_reference(reference, image=BUILD_ID)
+    digest = _with_boot_measurements(build, keys["release"].key, reference.read_bytes())
+    made = _release(tmp_path, build, keys, server)
+    assert made.returncode == 0, made.stderr
+    folder = Path(json.loads(made.stdout)["folder"])
+    release = json.loads((folder / "release.json").read_text())
+    assert release["boot_measurements"] == {"name": "boot-measurements.json", "sha256": digest,
+                                            "size": reference.stat().st_size, "pcrs": [4, 8, 9]}  # fmt: skip
+    assert (folder / "boot-measurements.json").read_bytes() == reference.read_bytes()
+    assert f"{digest}  boot-measurements.json" in (folder / "SHA256SUMS").read_text()
+    statement = json.loads(
+        base64.b64decode(json.loads((folder / "signature.dsse.json").read_text())["payload"])
+    )
+    assert {"name": "boot-measurements.json", "digest": {"sha256": digest}} in statement["subject"]
+
+
+def test_a_release_refuses_boot_measurements_that_do_not_load(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    build = build_folder(raw=False, name="node-build")
+    _with_boot_measurements(build, keys["release"].key, b'{"schema": 1, "pcrs": "none"}')
+    made = _release(tmp_path, build, keys, server)
+    assert made.returncode == 8 and "the build's boot measurements do not load" in made.stderr, made.stderr
     assert not [p for p in (tmp_path / "srv").iterdir() if p.name.startswith(("k8s-", ".k8s-"))]
 
 
