@@ -1,12 +1,41 @@
 #!/usr/bin/env bash
 # The test entry point behind `make test` (all), `make unit` (fast), `make vm-test` (vm); `peers` runs tier 6.
 # Starts the services the tiers need and stops what it started, even on failure.
+#
+# `all` runs the VM tier beside the others: its VMs (TCG) keep the CPUs busy while the fast and peer
+# tiers mostly wait on sockets, TPMs and servers, and neither of those starts a VM or touches the system
+# libvirtd (the VM tier waits for any other QEMU: one VM at a time). Its output is kept in
+# .run/vm-tier.log and printed once it is done; the exit status is the first failing tier's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
 what=${1:-all}
+mkdir -p .run
+VM_LOG=.run/vm-tier.log
+vm_pid=""
 
-cleanup() { scripts/services.sh stop || true; }
+cleanup() {
+  if [ -n "$vm_pid" ] && kill -0 "$vm_pid" 2>/dev/null; then
+    echo ">> stopping the VM tier ($vm_pid): its fixtures remove their VMs" >&2
+    kill -INT "$vm_pid" 2>/dev/null || true
+    wait "$vm_pid" 2>/dev/null || true
+  fi
+  scripts/services.sh stop || true
+}
+
+vm_tier() {
+  # A background job of a script ignores SIGINT; SIG_DFL again, so that pytest turns it into a
+  # KeyboardInterrupt and its fixtures tear their VMs down (cleanup above sends it).
+  python -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+    python -m pytest vm-tests tests -q -p no:cacheprovider -m vm --durations=0
+}
+
+vm_verdict() {  # $1: pytest's exit status
+  if [ "$1" -eq 5 ]; then
+    echo "vm-tests: no VM tests were collected (exit 5): that is a failure, not a skip" >&2
+  fi
+  [ "$1" -eq 0 ] || status=$1
+}
 
 if [ "$what" = all ] || [ "$what" = fast ]; then
   echo "== lint"
@@ -19,6 +48,13 @@ status=0
 if [ "$what" = all ] || [ "$what" = vm ]; then
   trap cleanup EXIT
   scripts/services.sh start
+fi
+if [ "$what" = all ]; then
+  interop/build.sh  # the VM tier's fixture build takes the real Kubernetes payloads from the peers
+  echo "== vm-tests: started beside the fast and peer tiers (output: $VM_LOG, printed when it ends)"
+  started=$(date +%s)
+  vm_tier >"$VM_LOG" 2>&1 &
+  vm_pid=$!
 fi
 if [ "$what" = all ] || [ "$what" = fast ]; then
   echo "== tests (unit, swtpm, libvirt test driver, store)"
@@ -34,13 +70,19 @@ if [ "$what" = all ] || [ "$what" = peers ]; then
   fi
   [ "$rc" -eq 0 ] || status=$rc
 fi
-if [ "$what" = all ] || [ "$what" = vm ]; then
+if [ "$what" = all ]; then
+  echo "== vm-tests (waiting for the tier started at $(date -u -d "@$started" +%H:%M:%S))"
+  rc=0
+  wait "$vm_pid" || rc=$?
+  vm_pid=""
+  cat "$VM_LOG"
+  echo "== vm-tests: $(( $(date +%s) - started )) s"
+  vm_verdict "$rc"
+fi
+if [ "$what" = vm ]; then
   echo "== vm-tests"
   rc=0
   python -m pytest vm-tests tests -q -p no:cacheprovider -m vm --durations=0 || rc=$?
-  if [ "$rc" -eq 5 ]; then
-    echo "vm-tests: no VM tests were collected (exit 5): that is a failure, not a skip" >&2
-  fi
-  [ "$rc" -eq 0 ] || status=$rc
+  vm_verdict "$rc"
 fi
 exit "$status"

@@ -226,3 +226,33 @@ def full_build(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(bases, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def incremental_build(
+    env: Env, full_build: Build, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Build]:
+    """A rebuild that changes staged artifacts only (the newest staged Kubernetes dropped): it reuses the full
+    build's installed base. Built with ``--no-test``: its image is booted by the demo (vm-tests/test_demo.py),
+    which asks far more of it than the boot test (attest, checks, measured boot, join); one boot, not two."""
+    base = tmp_path_factory.mktemp("incremental-build")
+    kube = yaml.safe_load(full_build.definition.read_text())["kubernetes"]
+    definition = variant(base, {"kubernetes": {**kube, "staged": kube["staged"][:-1]}})
+    lock = base / "fixture-node.lock.json"
+    locked = imagebuilder(env, "lock", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache))
+    assert locked.returncode == 0, f"imagebuilder lock failed:\n{locked.stderr[-5000:]}"
+    out, work = base / "out", work_dir(base)
+    assert full_build.bases is not None
+    wait_for_other_vms()
+    started = time.monotonic()
+    built = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
+                         "--base-cache", str(full_build.bases), "--out", str(out), "--work-dir", str(work),
+                         "--no-test")  # fmt: skip
+    seconds = time.monotonic() - started
+    assert built.returncode == 0, f"incremental build failed ({built.returncode}):\n{built.stderr[-8000:]}"
+    folder = Path(built.stdout.strip().splitlines()[-1])
+    print(f"\nincremental fixture build: {seconds:.0f} s (full: {full_build.seconds:.0f} s) -> {folder}")
+    try:
+        yield Build(definition, lock, out, work, folder, seconds, built.stderr, full_build.bases)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,10 +1,11 @@
-"""``make demo``'s VM chain on the session's fixture build (``scripts/demo.py --image``): one boot.
+"""``make demo``'s VM chain on the session's incremental fixture build (``scripts/demo.py --image``): one boot,
+the only one that image gets (it was built with --no-test).
 
 The verdict comes from the server's own records (its audit log and the file token backend's
 folder) and from the node's data port, not from the demo's console text: the node attested
-with a CA-trusted EK, its checks passed against the CPU pool, the broker issued a token for it,
-kubeadm received that token in a valid JoinConfiguration from a 0600 file, and the token's
-secret appears in no log.
+with a CA-trusted EK, its checks passed against the CPU pool, its quote proved the build's boot,
+the broker issued a token for it, kubeadm received that token in a valid JoinConfiguration from
+a 0600 file, the node's report revoked it, and no whole token appears in any log.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def _data_port(work: Path) -> list[dict[str, Any]]:
     return [json.loads(line.partition("NODETRUST-DEMO ")[2]) for line in lines if "NODETRUST-DEMO " in line]
 
 
-def test_demo_attests_checks_and_joins_the_booted_image(full_build: Build) -> None:
-    result, work = _demo("--image", str(full_build.folder), "--keep")
+def test_demo_attests_checks_and_joins_the_booted_image(incremental_build: Build) -> None:
+    """The session's incremental build (its only boot: it was built with --no-test)."""
+    result, work = _demo("--image", str(incremental_build.folder), "--keep")
     try:
         assert result.returncode == 0, f"the demo failed ({result.returncode}):\n{result.stdout[-8000:]}"
 
@@ -76,7 +78,7 @@ def test_demo_attests_checks_and_joins_the_booted_image(full_build: Build) -> No
         assert join["spiffe_id"] in {e["spiffe_id"] for e in attests}
         # The pool lists the build's boot-measurements.json: the booted image's quote (the agent's own TPM2_Quote
         # over BeginJoin's nonce, with the kernel's event log of the OVMF + swtpm boot) proved that release.
-        assert join["release"] == full_build.folder.name, join
+        assert join["release"] == incremental_build.folder.name, join
         assert (join["checked_pcrs"], join["unchecked_pcrs"]) == ([4, 8, 9], [0, 1, 2, 3, 5, 6, 7]), join
 
         # the node reported the join (ReportJoined): the broker revoked its token and its manifest is gone
