@@ -229,6 +229,22 @@ def image_output(manifest: Mapping[str, Any]) -> Mapping[str, Any]:
     return image
 
 
+def boot_measurements_output(manifest: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(file name, sha256)`` of the boot reference values the manifest names (``boot_measurements``), as its
+    outputs list them; None when it names none. ValueError when the name is not a plain file name its
+    outputs list once with a sha256."""
+    section = manifest.get("boot_measurements")
+    if not section:
+        return None
+    name = str(section.get("file", "")) if isinstance(section, Mapping) else ""
+    listed = [o for o in manifest.get("outputs", []) if isinstance(o, Mapping) and o.get("name") == name]
+    if not is_safe_name(name) or len(listed) != 1 or not is_sha256_hex(listed[0].get("sha256")):
+        raise ValueError(
+            f"boot_measurements names {name!r}, which its outputs do not list once with a sha256"
+        )
+    return name, str(listed[0]["sha256"])
+
+
 def load_manifest_bytes(data: bytes) -> Manifest:
     """Parse and check manifest.json; ValueError says what is wrong."""
     try:

@@ -14,9 +14,8 @@ from imagebuilder.accel import boot_id, choose_accel
 from imagebuilder.buildfolder import (
     MANIFEST,
     QCOW2_MEDIA_TYPE,
+    boot_measurements_output,
     digests_equal,
-    is_safe_name,
-    is_sha256_hex,
     sha256_bytes,
 )
 from imagebuilder.cache import default_cache_dir
@@ -164,17 +163,15 @@ MEASUREMENTS_LIMIT = 1 << 20  # a build's boot-measurements.json is a few kiloby
 def _measurements(manifest: dict[str, Any], manifest_dir: Path) -> bytes | None:
     """The build's boot-measurements.json (named by the manifest, beside it), checked against the digest the
     manifest lists for it before use; None when the manifest names no boot measurements."""
-    section = manifest.get("boot_measurements")
-    if not section:
-        return None
-    name = str(section.get("file", "")) if isinstance(section, dict) else ""
-    listed = [o for o in manifest.get("outputs", []) if isinstance(o, dict) and o.get("name") == name]
-    if not is_safe_name(name) or len(listed) != 1 or not is_sha256_hex(listed[0].get("sha256")):
+    try:
+        named = boot_measurements_output(manifest)
+    except ValueError as exc:
         raise OutputError(
-            f"{manifest_dir / MANIFEST}: boot_measurements names {name!r}, which its outputs do not list "
-            "once with a sha256",
-            hint="pass the manifest.json the build published, unchanged",
-        )
+            f"{manifest_dir / MANIFEST}: {exc}", hint="pass the manifest.json the build published, unchanged"
+        ) from None
+    if named is None:
+        return None
+    name, listed = named
     path = manifest_dir / name
     try:
         with path.open("rb") as fh:
@@ -187,7 +184,7 @@ def _measurements(manifest: dict[str, Any], manifest_dir: Path) -> bytes | None:
         ) from None
     except OSError as exc:
         raise OutputError(f"{path}: cannot read the boot measurements: {exc.strerror}") from exc
-    if len(data) > MEASUREMENTS_LIMIT or not digests_equal(sha256_bytes(data), str(listed[0]["sha256"])):
+    if len(data) > MEASUREMENTS_LIMIT or not digests_equal(sha256_bytes(data), listed):
         raise OutputError(
             f"{path}: its SHA-256 is not the one the manifest lists: the build's boot reference was changed",
             hint="use the build folder as the build published it (`imagebuilder verify` checks it)",

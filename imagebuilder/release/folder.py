@@ -37,10 +37,10 @@ import yaml
 from imagebuilder.buildfolder import (
     SHA256SUMS,
     SIGNATURE,
+    boot_measurements_output,
     digests_equal,
     dump_json,
     format_sha256sums,
-    is_safe_name,
     load_manifest_bytes,
     sha256_file,
     write_atomic,
@@ -120,18 +120,16 @@ def _boot_measurements(build_dir: Path, manifest: Mapping[str, Any], part: Path)
     from protocol.errors import ProtocolError
     from protocol.measurements import load
 
-    section = manifest.get("boot_measurements")
-    if not section:
+    try:
+        named = boot_measurements_output(manifest)
+    except ValueError as exc:
+        raise OutputError(f"the build's manifest: {exc}") from None
+    if named is None:
         return None
-    name = str(section.get("file", "")) if isinstance(section, Mapping) else ""
-    listed = [o for o in manifest.get("outputs", []) if isinstance(o, Mapping) and o.get("name") == name]
-    if not is_safe_name(name) or len(listed) != 1:
-        raise OutputError(
-            f"the build's manifest names boot measurements {name!r} that its outputs do not list"
-        )
+    name, listed = named
     shutil.copyfile(build_dir / name, part / name)
     entry = _artifact(part, name)
-    if not digests_equal(entry["sha256"], str(listed[0].get("sha256", ""))):
+    if not digests_equal(entry["sha256"], listed):
         raise OutputError(f"{build_dir / name}: not the boot measurements the build's manifest lists")
     try:
         reference = load((part / name).read_bytes())
