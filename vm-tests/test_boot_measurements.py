@@ -1,6 +1,6 @@
 """The builder's boot reference values against a real measured boot: OVMF, the image's GRUB and kernel, swtpm.
 
-One boot (about 80 s under TCG) carries three assertions:
+One boot (about 80 s under TCG) carries all of these assertions:
 
 * corroboration: the image's boot chain (:class:`imagebuilder.bootmeasure.GrubBoot`: a GRUB image
   made with the image's own ``grub-mkimage`` and modules, the ``tpm`` module and a project-owned
@@ -12,8 +12,12 @@ One boot (about 80 s under TCG) carries three assertions:
   server) and asked BeginJoin for a nonce; in the booted guest TPM2_Load of the kept AK and
   TPM2_Quote over the nonce go to /dev/tpm0 as the bytes ESAPI sends (the guest has no Python);
   the agent's join client sends the quote and the guest's log;
-* refused: the same boot's quote and log to a pool whose release has another kernel command
-  line is refused, ``boot_not_accepted``, naming PCR 8 (the log truly differs from that release).
+* refused: the same boot's quote and log to a pool whose release differs from it in one link is
+  refused, ``boot_not_accepted``, naming the PCR and the event that differ: another kernel command
+  line (PCR 8, the ``kernel_cmdline`` event), another initrd (PCR 9, the initrd's digest) and another
+  GRUB configuration (PCR 4: the configuration is embedded in BOOTX64.EFI, so the loader's Authenticode
+  digest differs). The quotes are over one boot, so each pool sees the very log the node measured: a
+  pool's release and the booted chain differ in exactly that link, whichever of the two was modified.
 
 The files come from the fixture installer ISO's target root file system (casper/minimal.squashfs),
 the packages the image is built from.
@@ -71,6 +75,7 @@ say NT-LOG-BEGIN
 $B xxd -p /sys/kernel/security/tpm0/binary_bios_measurements > /dev/ttyS0
 say NT-LOG-END
 F=/sys/firmware/qemu_fw_cfg/by_name/opt/nodetrust
+QUOTES=$($B cat $F/quotes/raw)
 exec 3<>/dev/tpm0
 tpm() {  # $1: a name; /tmp/cmd: the command. The response goes to the serial port and /tmp/$1.rsp.
   $B cat /tmp/cmd >&3
@@ -83,7 +88,7 @@ $B cat $F/load/raw > /tmp/cmd
 tpm load
 # The quotes name the loaded AK by the handle TPM2_Load returned (bytes 10..13 of its response).
 H=$($B xxd -p -s 10 -l 4 /tmp/load.rsp)
-for c in quote-mb quote-other; do
+for c in $QUOTES; do
   Q=$($B xxd -p -c 4096 $F/$c/raw)
   echo "${Q:0:20}${H}${Q:28}" | $B xxd -r -p > /tmp/cmd
   tpm $c
@@ -132,13 +137,19 @@ def _initrd(chain: Chain, out: Path) -> Path:
     return image
 
 
+def _loader(chain: Chain, boot: bootmeasure.GrubBoot, config: str, out: Path) -> Path:
+    """BOOTX64.EFI: the image's own GRUB, made by its grub-mkimage with ``config`` embedded."""
+    out.mkdir(exist_ok=True)
+    (out / "embedded.cfg").write_text(config)
+    loader = out / "BOOTX64.EFI"
+    argv = boot.mkimage_argv(str(chain.grub_dir), str(out / "embedded.cfg"), str(loader))
+    _run(chain.mkimage, *argv[1:])
+    return loader
+
+
 def _disk(chain: Chain, boot: bootmeasure.GrubBoot, initrd: Path, out: Path) -> tuple[Path, Path]:
     """A GPT disk: the ESP with BOOTX64.EFI (our GRUB image), an ext4 root with the kernel and the initrd."""
-    cfg = out / "embedded.cfg"
-    cfg.write_text(boot.embedded_config())
-    loader = out / "BOOTX64.EFI"
-    argv = boot.mkimage_argv(str(chain.grub_dir), str(cfg), str(loader))
-    _run(chain.mkimage, *argv[1:])
+    loader = _loader(chain, boot, boot.embedded_config(), out / "loader")
     rootfs = out / "rootfs"
     (rootfs / "boot").mkdir(parents=True)
     shutil.copy(chain.kernel, rootfs / boot.kernel.lstrip("/"))
@@ -235,11 +246,17 @@ def test_the_predicted_boot_is_measured_quoted_and_admitted(tmp_path: Path) -> N
         "initrd": initrd.read_bytes(),
     }
     ref = bootmeasure.reference("rig-1", boot, **files)
+    # Releases that differ from the booted chain in one link each: the command line, the initrd, GRUB's configuration.
     other = bootmeasure.reference(
         "rig-2", bootmeasure.GrubBoot(ROOT_UUID, boot.kernel, boot.initrd, CMDLINE + " quiet"), **files
     )
+    other_initrd = bootmeasure.reference("rig-3", boot, **{**files, "initrd": files["initrd"] + b"\0" * 512})
+    grub_config = boot.embedded_config().replace("boot\n", "set debug=all\nboot\n")
+    assert grub_config != boot.embedded_config()
+    other_loader = _loader(chain, boot, grub_config, work / "loader-other").read_bytes()
+    other_grub = bootmeasure.reference("rig-4", boot, **{**files, "loader": other_loader})
     releases: dict[str, tuple[str, Path, str]] = {}
-    for name, r in (("rig-1", ref), ("rig-2", other)):
+    for name, r in (("rig-1", ref), ("rig-2", other), ("rig-3", other_initrd), ("rig-4", other_grub)):
         (work / name).mkdir()
         path = bootmeasure.write(work / name, r)
         releases[name] = (name, path, hashlib.sha256(path.read_bytes()).hexdigest())
@@ -248,7 +265,7 @@ def test_the_predicted_boot_is_measured_quoted_and_admitted(tmp_path: Path) -> N
             "profile": CPU_POOL,
             "measured_boot": {**pool_measured_boot(releases[rel]), "nonce_ttl": "10m"},
         }
-        for pool, rel in (("mb", "rig-1"), ("other", "rig-2"))
+        for pool, rel in (("mb", "rig-1"), ("other", "rig-2"), ("initrd", "rig-3"), ("grub", "rig-4"))
     }
     env = start_join_env(work / "server", pools=pools)
     try:
@@ -270,7 +287,7 @@ def test_the_predicted_boot_is_measured_quoted_and_admitted(tmp_path: Path) -> N
         assert ak is not None
         mtls = {"trust_domain": "example.org", "bundle_pem": env.srv.bundle, "svid_cert": svids.cert_path,
                 "svid_key": svids.key_path}  # fmt: skip
-        asked = {p: asyncio.run(begin_join_async(env.join_address, pool=p, **mtls)) for p in ("mb", "other")}  # type: ignore[arg-type]
+        asked = {p: asyncio.run(begin_join_async(env.join_address, pool=p, **mtls)) for p in pools}  # type: ignore[arg-type]
         cmds: dict[str, bytes] = {}
         cmds["load"] = _command(0x157, [0x81000001], ak.private + ak.public)
         for pool, request in asked.items():
@@ -278,7 +295,8 @@ def test_the_predicted_boot_is_measured_quoted_and_admitted(tmp_path: Path) -> N
             cmds[f"quote-{pool}"] = _quote_command(
                 0x80FFFFFF, request.nonce, request.pcrs
             )  # the guest sets the handle
-        fw_cfg = []
+        (work / "quotes").write_text(" ".join(f"quote-{pool}" for pool in asked))
+        fw_cfg = ["-fw_cfg", f"name={FW_CFG}/quotes,file={work / 'quotes'}"]
         for name, raw in cmds.items():
             (work / f"{name}.bin").write_bytes(raw)
             fw_cfg += ["-fw_cfg", f"name={FW_CFG}/{name},file={work / f'{name}.bin'}"]
@@ -312,7 +330,8 @@ def test_the_predicted_boot_is_measured_quoted_and_admitted(tmp_path: Path) -> N
 
         log = _section(serial, "LOG")
         assert bootmeasure.corroborate(ref, log) == [], "the booted image measured what the build predicted"
-        assert bootmeasure.corroborate(other, log) != []
+        for differs in (other, other_initrd, other_grub):
+            assert bootmeasure.corroborate(differs, log) != []
         _response(
             _section(serial, "load"), "TPM2_Load"
         )  # the kept AK loaded under the SRK in the booted TPM
@@ -331,8 +350,23 @@ def test_the_predicted_boot_is_measured_quoted_and_admitted(tmp_path: Path) -> N
         assert getattr(grant, "token", "")
         line = env.srv.audit_lines()[-1]
         assert line["result"] == "ok" and line["release"] == "rig-1" and line["checked_pcrs"] == [4, 8, 9]
-        with pytest.raises(RefusalError) as refused:
-            join("other")
-        assert refused.value.reason == "boot_not_accepted" and "PCR 8:" in refused.value.message
+        refusals = {}
+        for pool in ("other", "initrd", "grub"):
+            with pytest.raises(RefusalError) as refused:
+                join(pool)
+            refusals[pool] = refused.value
+        assert {p: r.reason for p, r in refusals.items()} == dict.fromkeys(refusals, "boot_not_accepted")
+        # each refusal names the PCR and the event of the link that differs, and only that PCR
+        expected = {
+            "other": ("PCR 8:", "kernel_cmdline: "),
+            "initrd": ("PCR 9:", boot.initrd),
+            "grub": ("PCR 4:", bootmeasure.LOADER_PATH),
+        }
+        for pool, (pcr, event) in expected.items():
+            message = refusals[pool].message
+            assert pcr in message and event in message, f"{pool}: {message}"
+            assert [p for p in ("PCR 4:", "PCR 8:", "PCR 9:") if p in message] == [pcr], f"{pool}: {message}"
+        joins = [e for e in env.srv.audit_lines() if e["event"] == "join"]
+        assert [e["reason"] for e in joins[-3:]] == ["boot_not_accepted"] * 3, joins[-3:]  # one line each
     finally:
         env.srv.stop()
