@@ -22,6 +22,7 @@ import http.client
 import logging
 import socket
 import ssl
+import struct
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -104,8 +105,8 @@ class Fetcher:
 
     def _open(
         self, url: str, *, name: str, offset: int = 0
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, str]:
-        """GET ``url`` following allowed redirects; returns the connection, the response and the final URL."""
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, str, socket.socket | None]:
+        """GET ``url`` following allowed redirects: the connection, the response, the final URL and the socket."""
         current = url
         parts = check_url(current, what=name)
         for _ in range(MAX_REDIRECTS + 1):
@@ -118,6 +119,7 @@ class Fetcher:
                 headers["Range"] = f"bytes={offset}-"
             try:
                 conn.request("GET", target, headers=headers)
+                sock = conn.sock  # getresponse() drops it from conn when the server will close
                 response = conn.getresponse()
             except (OSError, http.client.HTTPException) as exc:
                 conn.close()
@@ -142,7 +144,7 @@ class Fetcher:
                 parts = check_url(following, what=name)
                 current = following
                 continue
-            return conn, response, current
+            return conn, response, current, sock
         raise ImagerError(Reason.redirect_refused, f"{name}: more than {MAX_REDIRECTS} redirects from {url}")
 
     def _status(self, response: http.client.HTTPResponse, url: str, name: str, *, ranged: bool) -> None:
@@ -179,7 +181,7 @@ class Fetcher:
 
         def attempt() -> None:
             result.clear()
-            conn, response, final = self._open(url, name=name)
+            conn, response, final, _sock = self._open(url, name=name)
             try:
                 self._status(response, final, name, ranged=False)
                 _check_length(response, limit, name, final)
@@ -212,7 +214,7 @@ class Fetcher:
 
         def attempt() -> None:
             offset = done[0]
-            conn, response, final = self._open(url, name=name, offset=offset)
+            conn, response, final, sock = self._open(url, name=name, offset=offset)
             try:
                 self._status(response, final, name, ranged=offset > 0)
                 if offset and response.status == 200:
@@ -222,11 +224,12 @@ class Fetcher:
                         hint="run the imager again (it starts from the first byte)",
                     )
                 _check_length(response, size - offset, name, final)
+                read = _direct_reader(sock, response, size - offset, self.timeout_s) or response.readinto
                 while done[0] < size:
                     view = sink.buffer()
                     want = min(len(view), size - done[0])
                     try:
-                        got = response.readinto(view[:want])
+                        got = read(view[:want])
                     except (OSError, http.client.HTTPException) as exc:
                         raise _Transient(
                             Reason.network,
@@ -240,7 +243,7 @@ class Fetcher:
                         )
                     sink.filled(got)
                     done[0] += got
-                if response.read(1):
+                if read == response.readinto and response.read(1):  # direct: Content-Length framed it
                     raise ImagerError(
                         Reason.body_too_large,
                         f"{name}: {final} sends more than the {size} bytes the release signs",
@@ -251,6 +254,47 @@ class Fetcher:
                 conn.close()
 
         self._retrying(attempt)
+
+
+def _direct_reader(
+    sock: socket.socket | None, response: http.client.HTTPResponse, length: int, timeout_s: float
+) -> Callable[[memoryview], int] | None:
+    """A faster reader of a plain-HTTP body of exactly ``length`` announced bytes; None: use ``response``.
+
+    ``http.client`` reads through a buffered file in many short ``recv`` calls; here, once the bytes it
+    has already buffered are taken, each call asks the kernel for the whole buffer (``MSG_WAITALL`` on
+    a blocking socket), one wake-up per buffer instead of one per segment: about 1.4x the throughput on
+    the loopback (``bench/imager.py``). A stall still ends the read: ``SO_RCVTIMEO`` makes a receive
+    that gets no byte for ``timeout_s`` fail (``EAGAIN``), as the socket timeout does on the other path.
+    Content-Length framing means nothing past ``length`` belongs to this body. TLS and bodies without a
+    Content-Length (chunked, or ended by closing) keep ``response.readinto``.
+    """
+    announced = response.getheader("Content-Length")
+    if (
+        type(sock) is not socket.socket
+        or response.chunked
+        or announced is None
+        or not announced.strip().isdigit()
+        or int(announced) != length
+    ):
+        return None
+    fp = response.fp
+    seconds = max(1, int(timeout_s))
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, 0))
+    buffered = [len(fp.peek(1)) if length else 0]  # what http.client already read past the headers
+
+    def read(view: memoryview) -> int:
+        if buffered[0]:
+            got = fp.readinto(view[: buffered[0]])
+            buffered[0] -= got
+            return got
+        try:
+            return sock.recv_into(view, len(view), socket.MSG_WAITALL)
+        except BlockingIOError:  # SO_RCVTIMEO ran out with no byte received
+            raise TimeoutError("timed out") from None
+
+    return read
 
 
 def _check_length(response: http.client.HTTPResponse, limit: int, name: str, url: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -25,6 +26,7 @@ class Fault:
     redirect: str = ""  # answer 302 to this location
     status: int = 0  # answer with this status
     times: int = -1  # how many requests the fault applies to (-1: all)
+    stall: float = 0.0  # after the bytes sent (see truncate), keep the connection open and silent this long
 
 
 @dataclass
@@ -114,6 +116,9 @@ class _Handler(BaseHTTPRequestHandler):
                     self.wfile.write(b"\0" * fault.extra)
                 except (BrokenPipeError, ConnectionResetError):
                     return
+        if fault is not None and fault.stall:
+            self.wfile.flush()
+            time.sleep(fault.stall)
         if fault is not None and fault.truncate is not None:
             self.close_connection = True
 

@@ -4,6 +4,7 @@ the EFI load-option parser, the HTTP rules."""
 
 from __future__ import annotations
 
+import os
 import struct
 import uuid
 from pathlib import Path
@@ -284,6 +285,42 @@ def test_a_stream_resumes_with_range_after_a_cut(tmp_path: Path) -> None:
         Fetcher(attempts=3, pause_s=0).stream(f"{srv.url}/f.bin", name="f", size=1 << 20, sink=Sink())
         assert bytes(got) == (tmp_path / "f.bin").read_bytes()
         assert [r[2] for r in srv.recorder.requests] == ["", "bytes=300000-"]
+
+
+class _Collect:
+    def __init__(self) -> None:
+        self.buf = bytearray(1 << 20)
+        self.got = bytearray()
+
+    def buffer(self) -> memoryview:
+        return memoryview(self.buf)
+
+    def filled(self, n: int) -> None:
+        self.got.extend(self.buf[:n])
+
+
+def test_a_server_that_stops_sending_mid_body_is_a_network_failure_not_a_hang(tmp_path: Path) -> None:
+    """The Content-Length-framed plain-HTTP body is read with MSG_WAITALL on a blocking socket: its
+    SO_RCVTIMEO must still end a read that gets no byte, as the socket timeout does elsewhere."""
+    (tmp_path / "f.bin").write_bytes(bytes(range(256)) * 8192)
+    with ReleaseServer(tmp_path) as srv:
+        srv.faults["/f.bin"] = Fault(truncate=300_000, stall=5.0)
+        sink = _Collect()
+        with pytest.raises(ImagerError) as caught:
+            Fetcher(attempts=1, timeout_s=1).stream(f"{srv.url}/f.bin", name="f", size=2 << 20, sink=sink)
+        assert caught.value.reason == Reason.network
+        assert "broke off at byte 300000" in caught.value.message and "timed out" in caught.value.message
+        assert bytes(sink.got) == (tmp_path / "f.bin").read_bytes()[:300_000]
+
+
+@pytest.mark.parametrize("fault", [Fault(), Fault(no_length=True)], ids=["content-length", "until-close"])
+def test_a_body_streams_whole_whether_framed_by_length_or_by_close(tmp_path: Path, fault: Fault) -> None:
+    (tmp_path / "f.bin").write_bytes(os.urandom(3 << 20) + b"tail")
+    with ReleaseServer(tmp_path) as srv:
+        srv.faults["/f.bin"] = fault
+        sink = _Collect()
+        Fetcher(attempts=1).stream(f"{srv.url}/f.bin", name="f", size=(3 << 20) + 4, sink=sink)
+        assert bytes(sink.got) == (tmp_path / "f.bin").read_bytes()
 
 
 def test_a_redirect_from_https_to_http_is_refused(tmp_path: Path) -> None:
