@@ -50,6 +50,7 @@ from demo_common import (
     ROOT,
     TRUST_DOMAIN,
     DemoError,
+    demo_kubernetes_version,
     leaked_tokens,
     say,
     server_config,
@@ -351,7 +352,7 @@ def user_data(*, bundle: bytes, kubeadm_path: str) -> str:
         "pool_profile": "/etc/nodeagent/pool.yaml",
         "node_name": NODE_NAME,
         "kubeadm": kubeadm_path,
-        "deadline_s": 300.0,
+        "deadline_s": 900.0,  # under TCG the staged version's packages take minutes to install
     }
     demo = {
         "server": config["server"],
@@ -434,6 +435,10 @@ class GuestSteps:
                 print(
                     f"  kubeadm {' '.join(call['argv'])}  (file mode {call['mode']}, valid: {call['valid']})"
                 )
+                packages = ", ".join(f"{n} {v}" for n, v in sorted((call.get("packages") or {}).items()))
+                print(
+                    f"  beside it: {call.get('kubelet_version')} ({packages}; held: {', '.join(call.get('held') or [])})"
+                )
                 for error in call.get("errors", []):
                     print(f"    error: {error}")
                 if call.get("config"):
@@ -458,7 +463,9 @@ def validate_join_configuration(config: dict[str, Any]) -> list[str]:
     ]
 
 
-def verdict(work: Path, audit: list[dict[str, Any]], guest: GuestSteps, logs: list[Path]) -> list[str]:
+def verdict(
+    work: Path, audit: list[dict[str, Any]], guest: GuestSteps, logs: list[Path], *, kubernetes_version: str
+) -> list[str]:
     """What went wrong, from the server's own records first; empty when the whole chain happened."""
     problems = []
     attests = [e for e in audit if e.get("event") == "attest"]
@@ -498,6 +505,17 @@ def verdict(work: Path, audit: list[dict[str, Any]], guest: GuestSteps, logs: li
             problems.append(
                 f"kubeadm received token {token_id}, the server issued {sorted(map(str, token_ids))}"
             )
+    if calls:
+        # the join answer's version was the installed one when kubeadm ran (agent.kubeversion)
+        running = calls[-1].get("kubelet_version")
+        if running != f"Kubernetes v{kubernetes_version}":
+            problems.append(f"kubeadm ran beside kubelet {running!r}, not the pool's v{kubernetes_version}")
+        packages = calls[-1].get("packages") or {}
+        wrong = {n: v for n, v in packages.items() if not str(v).startswith(f"{kubernetes_version}-")}
+        if set(packages) != {"kubeadm", "kubelet", "kubectl"} or wrong:
+            problems.append(f"the installed Kubernetes packages are {packages}, not {kubernetes_version}")
+        if not {"kubeadm", "kubelet", "kubectl"} <= set(calls[-1].get("held") or []):
+            problems.append(f"the Kubernetes packages are not all held: {calls[-1].get('held')}")
     if guest.done is None or not guest.done.get("ok"):
         problems.append("the node did not report the chain as complete")
     # the secrets themselves are gone with their revoked manifests: a token of this id in any form but
@@ -531,6 +549,8 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
             folder = build_image(work, stack, Path(args.cache_dir), args.ubuntu_iso)
             print(f"  built {folder} in {time.monotonic() - started:.0f} s")
         image, manifest = image_of(folder)
+        kube = manifest.get("kubernetes") or {}
+        version = args.kubernetes_version or demo_kubernetes_version(kube)
         accel = args.accel or str((manifest.get("accelerator") or {}).get("name") or "tcg")
         print(f"  {image.name}: {manifest.get('name')} {manifest.get('build_id')}, {manifest.get('architecture')}; "
               f"booting it under {accel} (what its build used; --accel overrides)")  # fmt: skip
@@ -552,8 +572,19 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
             folder / "boot-measurements.json"
         )  # the build's prediction: the pool admits only that boot
         config.write_text(
-            json.dumps(server_config(work, measured if measured.is_file() else None), indent=2)
+            json.dumps(
+                server_config(work, measured if measured.is_file() else None, kubernetes_version=version),
+                indent=2,
+            )
         )
+        staged = ", ".join(map(str, kube.get("staged") or [])) or "none"
+        switch = (
+            "the agent installs its staged packages and holds them before kubeadm join"
+            if version != kube.get("installed")
+            else "the image's installed version"
+        )
+        print(f"  the cluster runs Kubernetes v{version}; the image installs {kube.get('installed')} and stages "
+              f"{staged}: {switch}")  # fmt: skip
         print(f"  $ server.cli run --config {config}")
         server = stack.enter_context(ServerProcess(None, config, log=work / "server.log"))
         print(f"  {server.line}")
@@ -610,7 +641,7 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
         step(5, "The token, as the file backend wrote it for an operator to apply, and the audit trail")
         audit = show_token_and_audit(work)
         show_measured_boot(audit)
-        problems = verdict(work, audit, guest, logs)
+        problems = verdict(work, audit, guest, logs, kubernetes_version=version)
         if problems:
             print("\n\033[1mdemo: FAILED\033[0m")
             for problem in problems:
@@ -641,6 +672,9 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true",
                         help="keep the temporary folder (server data, token, console, built image)")  # fmt: skip
     parser.add_argument("--accel", choices=("kvm", "tcg"), help="override the image's build accelerator")
+    parser.add_argument("--kubernetes-version", metavar="X.Y.Z",
+                        help="the cluster's version in the join answer (default: the image's newest staged version "
+                             "of the minor below its installed one, else the installed one)")  # fmt: skip
     parser.add_argument(
         "--cache-dir", default=str(DEFAULT_CACHE), help=f"download cache (default {DEFAULT_CACHE})"
     )

@@ -35,9 +35,12 @@ def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, text=True, capture_output=True, cwd=ROOT, check=False, **kwargs)  # type: ignore[call-overload,no-any-return]
 
 
-def server_config(work: Path, measurements: Path | None = None) -> dict[str, Any]:
+def server_config(
+    work: Path, measurements: Path | None = None, *, kubernetes_version: str = "1.36.3"
+) -> dict[str, Any]:
     """A fresh trust domain on loopback ports, trusting the EK CA in ``work/server/ek-ca``; with
-    ``measurements`` (a build's boot-measurements.json) the pool admits only that release's boot."""
+    ``measurements`` (a build's boot-measurements.json) the pool admits only that release's boot. The
+    join answer names ``kubernetes_version``: the version the node's agent makes the installed one."""
     from tests.support.joinenv import cluster_ca
 
     cluster_ca(work / "server" / "cluster-ca.pem")
@@ -53,7 +56,7 @@ def server_config(work: Path, measurements: Path | None = None) -> dict[str, Any
         "cluster": {
             "api_server_endpoint": "192.0.2.10:6443",
             "ca_cert": str(work / "server" / "cluster-ca.pem"),
-            "kubernetes_version": "v1.36.3",
+            "kubernetes_version": f"v{kubernetes_version}",
         },
         "join": {"token_ttl": "15m"},
         "token_backend": {"type": "file", "directory": str(tokens)},
@@ -61,6 +64,21 @@ def server_config(work: Path, measurements: Path | None = None) -> dict[str, Any
             "cpu": {"profile": {"preset": "cpu", "checks": {"warn": ["node.*"]}}, **_measured(measurements)}
         },
     }
+
+
+def demo_kubernetes_version(kubernetes: dict[str, Any]) -> str:
+    """The control plane's version for the demo, from the image's manifest ``kubernetes`` entry
+    (``installed``, ``staged``): the newest staged version of the minor below the installed one when
+    the image stages one (the pool's control plane a minor behind: the node switches its kubelet before
+    joining), else the installed version."""
+
+    def key(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split("."))
+
+    installed = str(kubernetes.get("installed") or "1.36.3")
+    major, minor = key(installed)[:2]
+    below = [str(v) for v in kubernetes.get("staged") or [] if key(str(v))[:2] == (major, minor - 1)]
+    return max(below, key=key) if below else installed
 
 
 def _measured(measurements: Path | None) -> dict[str, Any]:

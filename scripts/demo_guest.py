@@ -338,6 +338,20 @@ def _validate(doc: Any) -> list[str]:
     return errors
 
 
+def _kubernetes_installed() -> dict[str, Any]:
+    """What runs beside kubeadm: ``kubelet --version``, the Kubernetes packages' versions and holds."""
+    _, kubelet = _run("kubelet", "--version", timeout=120)
+    _, listed = _run("dpkg-query", "-W", "-f", "${Package} ${Version}\n", "kubeadm", "kubelet", "kubectl")
+    _, held = _run("apt-mark", "showhold")
+    packages = dict(line.split(" ", 1) for line in listed.splitlines() if line.count(" ") == 1)
+    version = [line for line in kubelet.splitlines() if line.startswith("Kubernetes v")]
+    return {
+        "kubelet_version": version[-1] if version else kubelet[-200:],
+        "packages": packages,
+        "held": sorted(held.split()),
+    }
+
+
 def kubeadm(argv: list[str]) -> int:
     if argv[:1] == ["version"]:
         print("kubeadm version: nodetrust demo stand-in")
@@ -375,6 +389,7 @@ def kubeadm(argv: list[str]) -> int:
             "mode": mode,
             "valid": not errors,
             "errors": errors,
+            **_kubernetes_installed(),
         }
         fh.write(json.dumps(entry) + "\n")
     if errors:

@@ -100,6 +100,19 @@ def test_demo_attests_checks_and_joins_the_booted_image(incremental_build: Build
         assert discovery["token"] == f"{join['token_id']}.<redacted>"
         assert discovery["apiServerEndpoint"] == "192.0.2.10:6443"
         assert calls[0]["config"]["nodeRegistration"]["name"] == "demo-node-1"
+        # the pool's control plane runs 1.35.3 (the join answer's version): the image installs 1.36.3 and
+        # stages 1.35.3, and the agent made the staged one the installed, held one before kubeadm ran
+        manifest = json.loads((incremental_build.folder / "manifest.json").read_text())
+        assert (
+            manifest["kubernetes"]["installed"] == "1.36.3" and "1.35.3" in manifest["kubernetes"]["staged"]
+        )
+        assert "the cluster runs Kubernetes v1.35.3; the image installs 1.36.3" in result.stdout
+        assert calls[0]["kubelet_version"] == "Kubernetes v1.35.3", calls[0]
+        assert calls[0]["packages"] == dict.fromkeys(("kubeadm", "kubelet", "kubectl"), "1.35.3-1.1"), calls[
+            0
+        ]
+        assert {"kubeadm", "kubelet", "kubectl"} <= set(calls[0]["held"]), calls[0]
+        assert "kubernetes: 1.35.3" in steps["status"]["output"], steps["status"]
 
         # no whole token of the issued id (only its redacted form) in the demo's output or the node's logs
         for text in (result.stdout, *(p.read_text(errors="replace") for p in (work / "vm").glob("*.log"))):

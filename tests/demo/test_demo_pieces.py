@@ -187,10 +187,21 @@ def test_the_verdict_reads_the_servers_records(tmp_path: Path) -> None:
     for name in ("attest", "check", "join"):
         guest.entries.append({"name": name, "ok": True})
     config = json.loads(json.dumps(_join_doc()).replace("0123456789abcdef", "<redacted>"))
-    guest.entries.append({"name": "kubeadm", "ok": True, "calls": [{"config": config}]})
+    packages = dict.fromkeys(("kubeadm", "kubelet", "kubectl"), "1.35.3-1.1")
+    beside: dict[str, Any] = {
+        "kubelet_version": "Kubernetes v1.35.3",
+        "packages": packages,
+        "held": ["kubeadm", "kubectl", "kubelet"],
+    }
+    call = {"config": config, **beside}
+    guest.entries.append({"name": "kubeadm", "ok": True, "calls": [call]})
     guest.done = {"done": True, "ok": True}
+
+    def verdict(logs: list[Path]) -> list[str]:
+        return demo.verdict(tmp_path, audit, guest, logs, kubernetes_version="1.35.3")
+
     # the node says it joined, but the server issued nothing: the verdict fails
-    problems = demo.verdict(tmp_path, [], guest, [])
+    problems = demo.verdict(tmp_path, [], guest, [], kubernetes_version="1.35.3")
     assert any("no successful attestation" in p for p in problems)
     assert any("no successful join of demo-node-1" in p for p in problems)
     audit: list[dict[str, Any]] = [
@@ -203,16 +214,37 @@ def test_the_verdict_reads_the_servers_records(tmp_path: Path) -> None:
     log = tmp_path / "console.log"
     log.write_text("nothing secret\n")
     # issued, but never revoked by the node's report: its manifest is still in the folder
-    assert any("must revoke the token it used" in p for p in demo.verdict(tmp_path, audit, guest, [log]))
+    assert any("must revoke the token it used" in p for p in verdict([log]))
     audit.append({"event": "joined", "result": "ok", "token_id": "abcdef", "token_revoked": True})
-    assert any("still has ['abcdef']" in p for p in demo.verdict(tmp_path, audit, guest, [log]))
+    assert any("still has ['abcdef']" in p for p in verdict([log]))
     (tokens / "bootstrap-token-abcdef.yaml").unlink()
-    assert demo.verdict(tmp_path, audit, guest, [log]) == []
+    assert verdict([log]) == []
     # with the manifest gone, the token of the issued id in clear in any log is still found
     log.write_text("oops abcdef.0123456789abcdef\n")
-    assert any("appears in" in p for p in demo.verdict(tmp_path, audit, guest, [log]))
+    assert any("appears in" in p for p in verdict([log]))
     log.write_text("token abcdef.<redacted>; xabcdef.0123456789abcdef0 is not it\n")
-    assert demo.verdict(tmp_path, audit, guest, [log]) == []
+    assert verdict([log]) == []
+    # kubeadm must have run beside the join answer's version, installed and held
+    call["kubelet_version"] = "Kubernetes v1.36.3"
+    assert any("not the pool's v1.35.3" in p for p in verdict([log]))
+    call.update(beside, packages={**packages, "kubectl": "1.36.3-1.1"})
+    assert any("not 1.35.3" in p for p in verdict([log]))
+    call.update(beside, held=["kubelet"])
+    assert any("not all held" in p for p in verdict([log]))
+    call.update(beside)
+    assert verdict([log]) == []
+
+
+def test_the_demos_control_plane_is_a_minor_behind_when_the_image_stages_one() -> None:
+    from demo_common import demo_kubernetes_version
+
+    assert (
+        demo_kubernetes_version({"installed": "1.36.3", "staged": ["1.34.2", "1.35.3", "1.37.2"]})
+        == "1.35.3"
+    )
+    assert demo_kubernetes_version({"installed": "1.36.3", "staged": ["1.35.1", "1.35.10"]}) == "1.35.10"
+    assert demo_kubernetes_version({"installed": "1.36.3", "staged": ["1.34.2", "1.37.2"]}) == "1.36.3"
+    assert demo_kubernetes_version({"installed": "1.36.3"}) == "1.36.3"
 
 
 def test_a_console_that_shows_a_dead_boot_stops_the_demo_at_once() -> None:
