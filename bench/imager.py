@@ -14,7 +14,8 @@ this CPU, so the ratio against the slower of ``dd`` and that stream is printed a
 
 Printed: seconds and MiB/s of each, and the ratios ``dd / imager`` for
 
-* the raw path's write (stream, hash, write; the goal is >= 0.9),
+* the raw path's write (stream, hash, write; the goal is >= 0.9), with the signed per-chunk digests
+  a release carries (each chunk checked on its own core), and with one digest of the whole,
 * the raw path's write plus its read-back (the whole disk is read and hashed again),
 * the QCOW2 path (download into memory with the hash, header check, ``qemu-img convert``, compare).
 
@@ -37,8 +38,9 @@ from pathlib import Path
 
 from imager import blockdev
 from imager.http import Fetcher
-from imager.write import fetch_scratch, write_qcow2, write_raw
-from protocol.release import Image
+from imager.write import fetch_scratch, hashers_for, write_qcow2, write_raw
+from protocol import chunklist
+from protocol.release import ChunkList, Image
 
 MiB = 1 << 20
 
@@ -113,15 +115,22 @@ def main() -> None:
         with target.open("wb") as fh:
             os.posix_fallocate(fh.fileno(), 0, size + 64 * MiB)
         floor: list[float] = []
-        writes = []
+        writes, single = [], []
+        listed = chunklist.render(raw)  # what `imagebuilder release` signs beside the image
+        chunks = ChunkList("node.raw" + chunklist.SUFFIX, hashlib.sha256(listed).hexdigest(), len(listed),
+                           chunklist.CHUNK_SIZE)  # fmt: skip
+        digests = chunklist.parse(listed, size=size, chunk_size=chunks.chunk_size, name=chunks.name)
         with _httpd(srv_dir) as url:
             fetcher = Fetcher(attempts=1)
-            image = Image("node.raw", digest, size, "raw", size)
+            image = Image("node.raw", digest, size, "raw", size, chunks)
             for _ in range(max(1, args.rounds)):
                 floor.append(_dd(raw, target))
                 blockdev.wipe(target)
-                writes.append(write_raw(fetcher, f"{url}/node.raw", image, target))
+                writes.append(write_raw(fetcher, f"{url}/node.raw", image, target, chunks=digests))
+                blockdev.wipe(target)
+                single.append(write_raw(fetcher, f"{url}/node.raw", image, target))
             written = min(writes, key=lambda w: w.seconds)
+            one = min(single, key=lambda w: w.seconds)
             qcow2_seconds = None
             if not args.no_qcow2:
                 qcow2 = srv_dir / "node.qcow2"
@@ -149,7 +158,10 @@ def main() -> None:
         )
         print(f"sha256 alone, one core       {_rate(size, sha)}   (the verified stream's ceiling)")
         runs = ", ".join(f"{w.seconds:.2f}" for w in writes)
-        print(f"imager raw, write            {_rate(size, written.seconds)}   (runs: {runs} s)")
+        print(f"imager raw, write            {_rate(size, written.seconds)}   (runs: {runs} s; chunk digests, "
+              f"{hashers_for()} hashers)")  # fmt: skip
+        runs = ", ".join(f"{w.seconds:.2f}" for w in single)
+        print(f"imager raw, one digest       {_rate(size, one.seconds)}   (runs: {runs} s)")
         print(f"imager raw, write+read-back  {_rate(size, written.seconds + written.readback_seconds)}")
         if qcow2_seconds is not None:
             print(f"imager qcow2, write          {_rate(size, qcow2_write)}")
@@ -159,8 +171,9 @@ def main() -> None:
             f"ratio raw write / dd           {best / written.seconds:.2f}   (goal >= 0.90; each pair: {pairs})"
         )
         print(
-            f"ratio raw write / max(dd, sha256) {max(best, sha) / written.seconds:.2f}   (against the tighter bound)"
+            f"ratio raw one digest / max(dd, sha256) {max(best, sha) / one.seconds:.2f}   (its tighter bound)"
         )
+        print(f"ratio raw one digest / dd      {best / one.seconds:.2f}")
         print(f"ratio raw write+read-back / dd {best / (written.seconds + written.readback_seconds):.2f}")
         if qcow2_seconds is not None:
             print(f"ratio qcow2 write / dd         {best / qcow2_write:.2f}")

@@ -40,6 +40,8 @@ from imager.run import run
 from imager.select import choose
 from imager.source import KEYS_DIR, Source, fetch_small_artifact, open_source
 from imager.write import Written, fetch_scratch, write_qcow2, write_raw
+from protocol import chunklist
+from protocol.errors import ReleaseFormatError
 from protocol.release import Image
 
 log = logging.getLogger(__name__)
@@ -168,12 +170,27 @@ class Imaging:
             guids |= {entry.part_guid for entry in read_gpt(disk.devnode).entries}
         return guids
 
+    def _chunks(self, source: Source, image: Image) -> tuple[bytes, ...] | None:
+        """The image's signed per-chunk digests, fetched and checked; None when the release has none."""
+        if image.chunks is None:
+            return None
+        data = fetch_small_artifact(self.fetcher, source, image.chunks)
+        try:
+            return chunklist.parse(
+                data, size=image.size, chunk_size=image.chunks.chunk_size, name=image.chunks.name
+            )
+        except ReleaseFormatError as exc:
+            raise ImagerError(
+                Reason.release_format, str(exc), hint="republish the release folder as imagebuilder wrote it"
+            ) from None
+
     def _image(self, source: Source, image: Image, disk: Disk) -> None:
         efi.remove_entries_for(self.firmware, self._old_partitions(disk))
         blockdev.wipe(disk.devnode)
         url = source.url_of(image.name)
         if image.format == "raw":
-            written = write_raw(self.fetcher, url, image, disk.devnode, console=self.console)
+            chunks = self._chunks(source, image)
+            written = write_raw(self.fetcher, url, image, disk.devnode, console=self.console, chunks=chunks)
         else:
             self.scratch_dir.mkdir(parents=True, exist_ok=True)
             scratch = self.scratch_dir / f"{image.name}.{time.monotonic_ns()}"

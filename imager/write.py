@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import hmac
 import logging
 import mmap
 import os
@@ -128,6 +129,47 @@ class _Hasher(_Stage):
         self.hash.update(view)  # hashlib releases the GIL for large buffers: this runs beside the writer
 
 
+@dataclass(frozen=True)
+class Chunked:
+    """An image's signed per-chunk digests (:mod:`protocol.chunklist`), already checked against its list."""
+
+    digests: tuple[bytes, ...]
+    chunk_size: int
+    size: int
+    sha256: str  # the image's whole digest, which the signed list stands for
+
+
+class _ChunkHasher(_Stage):
+    """Checks whole chunks against the signed list. Chunk ``k`` goes to hasher ``k mod N``, its buffers in
+    order (a chunk is a whole number of buffers), so N hashers run at once, each on its own chunks."""
+
+    def __init__(self, pool: _Pool, index: int, chunked: Chunked) -> None:
+        super().__init__(f"hasher-{index}", pool)
+        self.chunked = chunked
+        self.current = -1
+        self.hash = hashlib.sha256()
+        self.checked = 0
+        self.mismatch: tuple[int, str] | None = None
+
+    def handle(self, view: memoryview, offset: int) -> None:
+        size, chunk = self.chunked.size, self.chunked.chunk_size
+        k = offset // chunk
+        if k != self.current:
+            self.current, self.hash = k, hashlib.sha256()
+        self.hash.update(view)
+        if offset + len(view) == min((k + 1) * chunk, size):
+            got = self.hash.digest()
+            if hmac.compare_digest(got, self.chunked.digests[k]):
+                self.checked += 1
+            elif self.mismatch is None:
+                self.mismatch = (k, got.hex())
+
+
+def hashers_for(count: int | None = None) -> int:
+    """How many chunk hashers: one per CPU this process may run on, at most 8."""
+    return max(1, min(8, count if count is not None else len(os.sched_getaffinity(0))))
+
+
 class _Writer(_Stage):
     def __init__(self, pool: _Pool, target: Target) -> None:
         super().__init__("writer", pool)
@@ -154,15 +196,23 @@ class DiskSink:
     """The raw stream's sink: the network reads into a buffer; a hasher thread and a writer thread
     then work on it at the same time (the writer skips the head, which is kept in memory)."""
 
-    def __init__(self, target: Target, name: str, progress: Progress | None = None) -> None:
+    def __init__(
+        self, target: Target, name: str, progress: Progress | None = None, *, chunked: Chunked | None = None
+    ) -> None:
         self.target = target
         self.name = name
         self.progress = progress
-        self.pool = _Pool(DEPTH, CHUNK)
+        self.chunked = chunked if chunked is not None and chunked.chunk_size % CHUNK == 0 else None
+        count = 1 if self.chunked is None else hashers_for()
+        self.pool = _Pool(DEPTH + count - 1, CHUNK)
         self.hasher = _Hasher(self.pool)
+        self.hashers: list[_Stage] = (
+            [self.hasher] if self.chunked is None
+            else [_ChunkHasher(self.pool, i, self.chunked) for i in range(count)]
+        )  # fmt: skip
         self.writer = _Writer(self.pool, target)
-        self.hasher.start()
-        self.writer.start()
+        for stage in (*self.hashers, self.writer):
+            stage.start()
         self.current = self._take()
         self.fill = 0
         self.offset = 0
@@ -177,7 +227,21 @@ class DiskSink:
                 continue
 
     def _check(self) -> None:
-        error = self.writer.error or self.hasher.error
+        for stage in self.hashers:
+            if isinstance(stage, _ChunkHasher) and stage.mismatch is not None and self.chunked is not None:
+                k, actual = stage.mismatch
+                start, end = (
+                    k * self.chunked.chunk_size,
+                    min((k + 1) * self.chunked.chunk_size, self.chunked.size),
+                )
+                raise ImagerError(
+                    Reason.digest_mismatch,
+                    f"{self.name}: sha256 mismatch in chunk {k} (bytes {start}-{end - 1}): the signed chunk list "
+                    f"says {self.chunked.digests[k].hex()}, the bytes received are {actual}",
+                    hint="the image on the server is not the signed one (tampered or half-published): "
+                    "republish the release",
+                )
+        error = self.writer.error or next((h.error for h in self.hashers if h.error is not None), None)
         if error is not None:
             raise ImagerError(
                 Reason.write_failed,
@@ -210,7 +274,8 @@ class DiskSink:
             start = len(first)
         writes = start < self.fill
         self.pool.lend(self.current, 2 if writes else 1)
-        self.hasher.work.put((self.current, 0, self.fill, self.offset))
+        which = 0 if self.chunked is None else (self.offset // self.chunked.chunk_size) % len(self.hashers)
+        self.hashers[which].work.put((self.current, 0, self.fill, self.offset))
         if writes:
             self.writer.work.put((self.current, start, self.fill, self.offset + start))
         self.offset += self.fill
@@ -230,12 +295,23 @@ class DiskSink:
             raise ImagerError(
                 Reason.write_failed, f"{self.target.path}: flushing failed: {exc.strerror}"
             ) from None
-        return self.hasher.hash.hexdigest()
+        if self.chunked is None:
+            return self.hasher.hash.hexdigest()
+        self._check()  # a chunk that differs
+        checked = sum(h.checked for h in self.hashers if isinstance(h, _ChunkHasher))
+        if checked != len(self.chunked.digests) or self.offset != self.chunked.size:
+            raise ImagerError(
+                Reason.digest_mismatch,
+                f"{self.name}: {checked} of the {len(self.chunked.digests)} signed chunks were verified "
+                f"({self.offset} of {self.chunked.size} bytes)",
+                hint="the image on the server is not the signed one: republish the release",
+            )
+        return self.chunked.sha256  # every byte matched the signed list, which stands for this digest
 
     def _stop(self) -> None:
-        for stage in (self.hasher, self.writer):
+        for stage in (*self.hashers, self.writer):
             stage.work.put(None)
-        for stage in (self.hasher, self.writer):
+        for stage in (*self.hashers, self.writer):
             stage.join(timeout=3600)
 
     def abort(self) -> None:
@@ -344,8 +420,13 @@ def write_raw(
     target_path: Path,
     *,
     console: Callable[[str, int], Progress] | None = None,
+    chunks: tuple[bytes, ...] | None = None,
 ) -> Written:
-    """Stream a raw image to ``target_path`` (already wiped); verify, commit the head, read back."""
+    """Stream a raw image to ``target_path`` (already wiped); verify, commit the head, read back.
+
+    ``chunks``: the image's signed per-chunk digests (``image.chunks``, parsed by
+    :func:`protocol.chunklist.parse` after its own digest was checked): each chunk is then checked on
+    its own core, and a tampered chunk stops the stream at once. Without them, one SHA-256 of the whole."""
     started = time.monotonic()
     with open_target(target_path) as target:
         if image.size > target.size:
@@ -355,7 +436,10 @@ def write_raw(
                 hint="choose a larger disk with the hints",
             )
         progress = console(f"writing {image.name}", image.size) if console else None
-        sink = DiskSink(target, image.name, progress)
+        chunked = None
+        if chunks is not None and image.chunks is not None:
+            chunked = Chunked(chunks, image.chunks.chunk_size, image.size, image.sha256)
+        sink = DiskSink(target, image.name, progress, chunked=chunked)
         try:
             fetcher.stream(url, name=image.name, size=image.size, sink=sink)
             actual = sink.finish()

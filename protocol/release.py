@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from protocol import chunklist
 from protocol.dsse import Verified
 from protocol.errors import ReleaseFormatError
 
@@ -45,6 +46,7 @@ __all__ = [
     "SIGNATURE",
     "STATEMENT_TYPE",
     "Artifact",
+    "ChunkList",
     "Image",
     "ReleaseView",
     "Statement",
@@ -111,9 +113,17 @@ class Artifact:
 
 
 @dataclass(frozen=True)
+class ChunkList(Artifact):
+    """The signed list of an image's per-chunk SHA-256 (:mod:`protocol.chunklist`)."""
+
+    chunk_size: int = 0
+
+
+@dataclass(frozen=True)
 class Image(Artifact):
     format: str = "qcow2"  # "qcow2" or "raw"
     virtual_size: int | None = None  # the disk the image holds, in bytes (None: not recorded)
+    chunks: ChunkList | None = None  # a release's per-chunk digests of this image (None: not published)
 
 
 @dataclass(frozen=True)
@@ -268,7 +278,19 @@ def _image(statement: Statement, obj: Mapping[str, Any], where: str, fmt: str, v
         virtual = base.size if virtual is None else virtual
         if virtual != base.size:
             raise ReleaseFormatError(statement.manifest, f"{where}: a raw image's virtual size is its size")
-    return Image(base.name, base.sha256, base.size, fmt, virtual)
+    chunks = None
+    if obj.get("chunks") is not None:
+        listed = _artifact(statement, obj["chunks"], f"{where}.chunks")
+        chunk_size = chunklist.check_chunk_size(
+            obj["chunks"].get("chunk_size"), statement.manifest, f"{where}.chunks"
+        )
+        if listed.size != chunklist.chunk_count(base.size, chunk_size) * chunklist.LINE:
+            raise ReleaseFormatError(
+                statement.manifest,
+                f"{where}.chunks: {listed.size} bytes do not list the chunks of a {base.size}-byte image",
+            )
+        chunks = ChunkList(listed.name, listed.sha256, listed.size, chunk_size)
+    return Image(base.name, base.sha256, base.size, fmt, virtual, chunks)
 
 
 def _build_view(statement: Statement, manifest: dict[str, Any]) -> ReleaseView:

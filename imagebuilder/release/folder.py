@@ -8,6 +8,7 @@
       entry.ipxe                       a site entry script chaining boot.ipxe (ipxe/entry.ipxe.tmpl)
       imager.vmlinuz, imager.initrd    the imager's boot environment
       <image>.qcow2                    the build's image, byte for byte (and <image>.raw with --raw)
+      <image>.sha256-chunks            each image's per-chunk SHA-256 (protocol.chunklist), for parallel checks
       worker.user-data                 node-pool cloud-init (only writes configuration)
       control-plane-init.user-data     with --control-plane-endpoint: kubeadm init (v1beta4)
       control-plane-join.user-data     with --control-plane-endpoint: kubeadm join --control-plane
@@ -60,6 +61,7 @@ from imagebuilder.sign import (
 )
 from imagebuilder.sign import load_public_key as load_build_key
 from imagebuilder.verify import verify_build
+from protocol import chunklist
 from protocol.dsse import fingerprint, load_public_key, parse_envelope, verify_envelope
 from protocol.release import (
     RELEASE_ATTESTATION,
@@ -228,6 +230,12 @@ def _assemble(  # noqa: PLR0917 - one private step of write_release
         )
         images.append({**_artifact(part, raw), "format": "raw", "virtual_size": (part / raw).stat().st_size})
     images = [{k: v for k, v in i.items() if v is not None} for i in images]
+    for (
+        entry
+    ) in images:  # per-chunk digests, so that the imager can verify on several cores (protocol.chunklist)
+        listed = entry["name"] + chunklist.SUFFIX
+        (part / listed).write_bytes(chunklist.render(part / entry["name"]))
+        entry["chunks"] = {**_artifact(part, listed), "chunk_size": chunklist.CHUNK_SIZE}
     for source, dest in ((spec.imager_kernel, KERNEL), (spec.imager_initrd, INITRD)):
         shutil.copyfile(source, part / dest)
     cloud = _cloud_init(spec, scratch, version)
@@ -302,9 +310,18 @@ def _self_check(part: Path, public: PublicKey) -> None:
     except ValueError as exc:
         raise OutputError(f"the assembled release does not read back: {exc}") from None
     extra = () if view.boot_measurements is None else (view.boot_measurements,)
-    for artifact in (*view.images, *view.cloud_init.values(), *view.imager.values(), *extra):
+    lists = tuple(image.chunks for image in view.images if image.chunks is not None)
+    for artifact in (*view.images, *lists, *view.cloud_init.values(), *view.imager.values(), *extra):
         if sha256_file(part / artifact.name) != artifact.sha256:
             raise OutputError(f"{artifact.name}: changed while the release was assembled")
+    for image in view.images:
+        if image.chunks is None:
+            raise OutputError(f"{image.name}: the release lists no chunk digests for it")
+        try:
+            chunklist.parse((part / image.chunks.name).read_bytes(), size=image.size,
+                            chunk_size=image.chunks.chunk_size, name=image.chunks.name)  # fmt: skip
+        except ValueError as exc:
+            raise OutputError(f"the assembled release does not read back: {exc}") from None
 
 
 __all__ = ["ReleaseSpec", "release_name", "write_release"]

@@ -22,10 +22,11 @@ import yaml
 from imagebuilder.errors import BuildError
 from imagebuilder.release import cloudinit
 from imagebuilder.trust import write_trust_outputs
+from imager.errors import Reason
 from imager.gpt import read_gpt
 from imager.params import Params
-from tests.imager.conftest import BUILD_ID, TARGET_SERIAL, Keys, Machine, sh
-from tests.imager.server import ReleaseServer, tls_certificate
+from tests.imager.conftest import BUILD_ID, TARGET_SERIAL, Keys, Machine, has_partition_table, sh
+from tests.imager.server import Fault, ReleaseServer, tls_certificate
 from tests.support.measuredboot import fixture_boot
 
 pytestmark = pytest.mark.subprocess
@@ -75,8 +76,18 @@ def test_a_release_folder_is_signed_validated_and_never_changed(
     assert names == sorted(["boot.ipxe", "entry.ipxe", "imager.vmlinuz", "imager.initrd", "node-debian-12.qcow2",
                             "node-debian-12.raw", "worker.user-data", "control-plane-init.user-data",
                             "control-plane-join.user-data", "release.json", "signing-key.pub", "SHA256SUMS",
-                            "signature.dsse.json"])  # fmt: skip
+                            "signature.dsse.json", "node-debian-12.qcow2.sha256-chunks",
+                            "node-debian-12.raw.sha256-chunks"])  # fmt: skip
     subprocess.run(["sha256sum", "--check", "--strict", "--quiet", "SHA256SUMS"], cwd=folder, check=True)
+    # each image's chunk list is what coreutils computes for its 64 MiB slices, and release.json names it
+    listed = {i["name"]: i["chunks"] for i in json.loads((folder / "release.json").read_text())["images"]}
+    for image, chunks in listed.items():
+        assert chunks["name"] == f"{image}.sha256-chunks" and chunks["chunk_size"] == 64 << 20
+        sliced = subprocess.run(["split", "-b", str(64 << 20), "--filter=sha256sum", image], cwd=folder,
+                                capture_output=True, text=True, check=True).stdout  # fmt: skip
+        assert (folder / chunks["name"]).read_text() == "".join(
+            line.split()[0] + "\n" for line in sliced.splitlines()
+        )
     # the imager's own verification, pinning the key as the boot script does
     verify = subprocess.run([sys.executable, "-m", "imager", "verify", "--cmdline", "/dev/null", "--release", out["url"],
                              "--key", out["key"], "--keys-dir", str(tmp_path / "none"), "--json"],
@@ -260,6 +271,35 @@ def test_the_imager_writes_a_release_and_seeds_its_node_pool_cloud_init(
         "done",
     ]
     assert server.recorder.events[1]["disk"]["serial"] == TARGET_SERIAL
+
+
+def test_the_raw_image_is_checked_by_its_signed_chunk_list_which_is_itself_checked(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    machine: Callable[..., Machine], tmp_path: Path,
+) -> None:  # fmt: skip
+    made = _release(tmp_path, build_folder(raw=False, name="node-build"), keys, server)
+    assert made.returncode == 0, made.stderr
+    out = json.loads(made.stdout)
+    folder = Path(out["folder"])
+    release = json.loads((folder / "release.json").read_text())
+    raw = next(i for i in release["images"] if i["format"] == "raw")
+    params = Params(release=out["url"], key=out["key"], image=f"sha256:{release['images'][0]['sha256']}",
+                    hints={"serial": TARGET_SERIAL}, format="raw", reboot="no")  # fmt: skip
+    listed = f"/{folder.name}/{raw['chunks']['name']}"
+    # a chunk list that is not the signed one: refused before the image is fetched or the disk written
+    server.faults[listed] = Fault(flip=10)
+    m = machine()
+    error = m.refused(params, keys_dir=None)
+    assert error.reason == Reason.digest_mismatch and raw["chunks"]["name"] in error.message, error.message
+    assert f"/{folder.name}/{raw['name']}" not in [p for _, p, _ in server.recorder.requests]
+    assert not has_partition_table(m.node("nvme0n1"))
+    # the signed list: the image is written, every chunk checked
+    del server.faults[listed]
+    m = machine()
+    result = m.image(params, keys_dir=None)
+    assert result.written is not None and result.written.sha256 == raw["sha256"]
+    gets = [p for m_, p, _ in server.recorder.requests if m_ == "GET"]
+    assert gets.index(listed) < len(gets) - 1 - gets[::-1].index(f"/{folder.name}/{raw['name']}")
 
 
 @pytest.mark.peers
