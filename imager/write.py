@@ -413,6 +413,68 @@ def hash_disk(
     return digest.hexdigest()
 
 
+def check_disk_chunks(
+    path: Path, chunked: Chunked, *, console: Callable[[str, int], Progress] | None = None
+) -> None:
+    """Read the image back from the disk (``O_DIRECT``: not the page cache) and check every chunk against
+    the signed list, the chunks on several hasher threads at once; ImagerError names the first that differs."""
+    blockdev.flush(path)
+    progress = console("reading back", chunked.size) if console else None
+    count = hashers_for()
+    pool = _Pool(DEPTH + count - 1, CHUNK)
+    hashers = [_ChunkHasher(pool, i, chunked) for i in range(count)]
+    for hasher in hashers:
+        hasher.start()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    offset = 0
+    try:
+        while offset < chunked.size:
+            if any(h.mismatch is not None for h in hashers):
+                break
+            buf = pool.free.get()
+            want = min(CHUNK, chunked.size - offset)
+            try:
+                got = os.preadv(fd, [memoryview(buf)[: -(-want // ALIGN) * ALIGN]], offset)
+            except OSError as exc:
+                pool.free.put(buf)
+                raise ImagerError(
+                    Reason.write_failed, f"{path}: reading back failed at byte {offset}: {exc.strerror}"
+                ) from None
+            if got < want:
+                pool.free.put(buf)
+                raise ImagerError(
+                    Reason.readback_mismatch, f"{path}: reading back stopped at byte {offset + max(got, 0)}"
+                )
+            pool.lend(buf, 1)
+            hashers[(offset // chunked.chunk_size) % count].work.put((buf, 0, want, offset))
+            offset += want
+            if progress is not None:
+                progress.update(want)
+    finally:
+        for hasher in hashers:
+            hasher.work.put(None)
+        for hasher in hashers:
+            hasher.join(timeout=3600)
+        os.close(fd)
+    for hasher in hashers:
+        if hasher.mismatch is not None:
+            k, actual = hasher.mismatch
+            raise ImagerError(
+                Reason.readback_mismatch,
+                f"{path}: chunk {k} reads back as sha256 {actual}, not the verified {chunked.digests[k].hex()}",
+                hint="the disk does not keep what is written to it: replace it or choose another",
+            )
+        if hasher.error is not None:
+            raise ImagerError(Reason.write_failed, f"{path}: reading back failed: {hasher.error}")
+    if sum(h.checked for h in hashers) != len(chunked.digests):
+        raise ImagerError(Reason.readback_mismatch, f"{path}: not every chunk read back")
+    if progress is not None:
+        progress.finish()
+
+
 def write_raw(
     fetcher: Fetcher,
     url: str,
@@ -453,7 +515,11 @@ def write_raw(
     blockdev.write_at(target_path, sink.head, 0)
     wrote = time.monotonic() - started
     readback = time.monotonic()
-    back = hash_disk(target_path, image.size, what="reading back", console=console)
+    if chunked is not None and sink.chunked is not None:
+        check_disk_chunks(target_path, chunked, console=console)
+        back = image.sha256
+    else:
+        back = hash_disk(target_path, image.size, what="reading back", console=console)
     if not digests_equal(back, image.sha256):
         raise ImagerError(
             Reason.readback_mismatch,

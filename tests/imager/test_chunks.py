@@ -106,3 +106,28 @@ def test_a_chunk_list_that_does_not_fit_the_image_is_refused() -> None:
 
 def test_one_hasher_per_cpu_at_most_eight() -> None:
     assert [hashers_for(n) for n in (0, 1, 2, 16)] == [1, 1, 2, 8]
+
+
+def test_a_disk_that_does_not_keep_a_chunk_is_refused_at_read_back(
+    tmp_path: Path, image: tuple[Path, Image, tuple[bytes, ...]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read-back checks the chunks too (on several threads): a byte the disk lost is found there."""
+    path, signed, digests = image
+    target = _target(tmp_path)
+    real_flush = blockdev.flush
+
+    def losing_flush(where: Path) -> None:  # the read-back starts by flushing: the disk "loses" a byte then
+        with target.open("r+b") as fh:
+            fh.seek(3 * CHUNK + 7)
+            byte = fh.read(1)
+            fh.seek(3 * CHUNK + 7)
+            fh.write(bytes([byte[0] ^ 0xFF]))
+        real_flush(where)
+
+    monkeypatch.setattr(blockdev, "flush", losing_flush)
+    with ReleaseServer(path.parent) as srv, pytest.raises(ImagerError) as caught:
+        write_raw(Fetcher(attempts=1), f"{srv.url}/node.raw", signed, target, chunks=digests)
+    assert caught.value.reason == Reason.readback_mismatch
+    assert (
+        "chunk 3 reads back as sha256" in caught.value.message and digests[3].hex() in caught.value.message
+    )
