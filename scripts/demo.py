@@ -46,12 +46,13 @@ from typing import Any
 
 from demo_common import (
     NODE_NAME,
-    POOL_PROFILE,
     ROOT,
     TRUST_DOMAIN,
+    VM_POOL,
     DemoError,
     demo_kubernetes_version,
     leaked_tokens,
+    pool_profile_text,
     say,
     server_config,
     show_measured_boot,
@@ -66,6 +67,9 @@ UBUNTU_DEFINITION = ROOT / "examples" / "ubuntu-2404-node.yaml"
 # The VM tier's download cache: offline, the fixture build only works from what it holds.
 DEFAULT_CACHE = ROOT / ".cache" / "imagebuilder-vm-tests"
 GUEST_ATTEST_PORT, GUEST_JOIN_PORT = 8081, 8082  # the guest relay's ports on the node's loopback
+GUEST_NTP_PORT = 123  # UDP: the site NTP server (chronyd on the host), through the same relay
+TIMESYNCD_DROP_IN = "/etc/systemd/timesyncd.conf.d/50-nodetrust.conf"
+TIME_SYNC_S = 180  # how long the node waits for its clock to synchronise before its checks
 GUEST_FORWARD = "10.0.2.100:8080"  # imagebuilder.domain.GUEST_FORWARD: the one stream to the host
 SEED_DIR = "/run/nodetrust-demo"
 VENV_PYTHON = "/opt/nodeagent/venv/bin/python3"
@@ -147,10 +151,11 @@ def libvirt_services(work: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def host_relay(ports: dict[int, int]) -> Iterator[int]:
+def host_relay(ports: dict[int, int], udp_ports: dict[int, int] | None = None) -> Iterator[int]:
     """The host half of the node's connection multiplexer (``demo_guest.Mux``): QEMU connects its
     character device here; each connection the node opens to its 127.0.0.1:<guest port> becomes a
-    loopback connection to ``ports[guest port]``, and nothing else. Yields the listening port."""
+    loopback connection to ``ports[guest port]``, and each datagram it sends to 127.0.0.1:<udp port> one
+    to ``udp_ports[udp port]``; nothing else. Yields the listening port."""
     import socket
     import threading
 
@@ -161,6 +166,13 @@ def host_relay(ports: dict[int, int]) -> Iterator[int]:
             raise OSError(f"no forward for port {port}")
         far = socket.create_connection(("127.0.0.1", ports[port]), timeout=30)
         far.settimeout(None)
+        return far
+
+    def dial_udp(port: int) -> socket.socket:
+        if port not in (udp_ports or {}):
+            raise OSError(f"no forward for UDP port {port}")
+        far = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        far.connect(("127.0.0.1", (udp_ports or {})[port]))
         return far
 
     listener = socket.create_server(("127.0.0.1", 0))
@@ -174,7 +186,7 @@ def host_relay(ports: dict[int, int]) -> Iterator[int]:
                 return
             stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             streams.append(stream)
-            threading.Thread(target=Mux(stream, dial).serve, daemon=True).start()
+            threading.Thread(target=Mux(stream, dial, dial_udp).serve, daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
     try:
@@ -359,14 +371,17 @@ def user_data(*, bundle: bytes, kubeadm_path: str) -> str:
         "trust_domain": TRUST_DOMAIN,
         "forward": GUEST_FORWARD,
         "ports": [GUEST_ATTEST_PORT, GUEST_JOIN_PORT],
+        "udp_ports": [GUEST_NTP_PORT],
+        "time_sync_s": TIME_SYNC_S,
     }
 
     def file(path: str, content: str, mode: str = "0600") -> dict[str, str]:
         return {"path": path, "owner": "root:root", "permissions": mode, "content": content}
 
     cloud = {
-        # The image enables systemd-time-wait-sync (the agent must not run on a wrong clock); no NTP
-        # server is reachable from this VM, so it is stopped for this boot only.
+        # The image enables systemd-time-wait-sync (the agent must not run on a wrong clock). The site NTP
+        # server (chronyd on the host) is reachable only once the demo's relay runs (runcmd, after boot), so
+        # the boot's wait is stopped for this boot only; demo_guest.py waits for the clock before the checks.
         "bootcmd": [
             ["systemctl", "mask", "--runtime", "systemd-time-wait-sync.service"],
             ["systemctl", "stop", "--no-block", "systemd-time-wait-sync.service"],
@@ -377,7 +392,9 @@ def user_data(*, bundle: bytes, kubeadm_path: str) -> str:
             file(f"{seed}/demo.json", json.dumps(demo) + "\n"),
             file(f"{seed}/config.yaml", yaml.safe_dump(config, sort_keys=False)),
             file(f"{seed}/bundle.pem", bundle.decode()),
-            file(f"{seed}/pool.yaml", POOL_PROFILE),
+            file(f"{seed}/pool.yaml", pool_profile_text(VM_POOL)),
+            # the site NTP server, as a node-pool release names it (imagebuilder.release.cloudinit.TIMESYNCD)
+            file(TIMESYNCD_DROP_IN, "[Time]\nNTP=127.0.0.1\n", "0644"),
         ],
         "runcmd": [[VENV_PYTHON, f"{seed}/guest.py", "run", seed]],
     }
@@ -573,7 +590,9 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
         )  # the build's prediction: the pool admits only that boot
         config.write_text(
             json.dumps(
-                server_config(work, measured if measured.is_file() else None, kubernetes_version=version),
+                server_config(
+                    work, measured if measured.is_file() else None, kubernetes_version=version, pool=VM_POOL
+                ),
                 indent=2,
             )
         )
@@ -588,13 +607,20 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
         print(f"  $ server.cli run --config {config}")
         server = stack.enter_context(ServerProcess(None, config, log=work / "server.log"))
         print(f"  {server.line}")
+        from tests.support.ntp import NtpServer
+
+        ntp = stack.enter_context(NtpServer.start(work / "ntp"))
+        print(
+            f"  the site NTP server: Debian's chronyd on 127.0.0.1:{ntp.port} (it never sets this host's clock)"
+        )
         ports = {GUEST_ATTEST_PORT: server.attest_port, GUEST_JOIN_PORT: server.join_port}
-        relay = stack.enter_context(host_relay(ports))
+        relay = stack.enter_context(host_relay(ports, {GUEST_NTP_PORT: ntp.port}))
         print(
             f"  the node's only route: {GUEST_FORWARD}, a QEMU character device to the relay on 127.0.0.1:{relay}"
         )
         for guest_port, host_port in ports.items():
             print(f"  the node's 127.0.0.1:{guest_port} -> the relay -> 127.0.0.1:{host_port}")
+        print(f"  the node's UDP 127.0.0.1:{GUEST_NTP_PORT} -> the relay -> UDP 127.0.0.1:{ntp.port}")
 
         step(
             4,

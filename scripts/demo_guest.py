@@ -78,16 +78,29 @@ This node has joined the cluster (nodetrust demo kubeadm stand-in: no cluster wa
 # (type, connection id, length, payload): OPEN (payload: the port the agent dialled), DATA, EOF.
 # The host half (scripts/demo.py) opens a loopback connection to the server per OPEN.
 
-OPEN, DATA, EOF = 1, 2, 3
+#
+# UDP (the node's time service to the site NTP server) rides the same stream: a DGRAM frame's
+# connection id is the guest client's source port and its payload the service port (2 bytes) and
+# the datagram; the host answers with DGRAM frames of the same id.
+
+OPEN, DATA, EOF, DGRAM = 1, 2, 3, 4
 HEADER = struct.Struct(">BIH")
+PORT = struct.Struct(">H")
 
 
 class Mux:
     """Many TCP connections over one stream; ``dial(port)`` opens the far end of an OPEN."""
 
-    def __init__(self, stream: socket.socket, dial: Callable[[int], socket.socket] | None = None) -> None:
+    def __init__(
+        self,
+        stream: socket.socket,
+        dial: Callable[[int], socket.socket] | None = None,
+        dial_udp: Callable[[int], socket.socket] | None = None,
+    ) -> None:
         self.stream = stream
         self.dial = dial
+        self.dial_udp = dial_udp  # the host half: a connected UDP socket to the service on that port
+        self.udp: dict[int, socket.socket] = {}  # guest half: service port -> bound socket; host half: flow
         self.conns: dict[int, socket.socket] = {}
         self.lock = threading.Lock()
         self.next_id = 1
@@ -123,13 +136,40 @@ class Mux:
         with contextlib.suppress(OSError):
             self.send(EOF, conn)
 
+    def _udp_replies(self, flow: int, port: int, far: socket.socket) -> None:
+        """Host half: the service's answers to one guest flow, back over the stream."""
+        with contextlib.suppress(OSError):
+            while data := far.recv(65535):
+                self.send(DGRAM, flow, PORT.pack(port) + data)
+
+    def _dgram(self, flow: int, payload: bytes) -> None:
+        port, data = PORT.unpack(payload[: PORT.size])[0], payload[PORT.size :]
+        if self.dial_udp is None:  # guest half: an answer for the client at 127.0.0.1:<flow>
+            sock = self.udp.get(port)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.sendto(data, ("127.0.0.1", flow))
+            return
+        far = self.udp.get(flow)
+        if far is None:
+            try:
+                far = self.dial_udp(port)
+            except OSError:
+                return
+            self.udp[flow] = far
+            threading.Thread(target=self._udp_replies, args=(flow, port, far), daemon=True).start()
+        with contextlib.suppress(OSError):
+            far.send(data)
+
     def serve(self) -> None:
         """Read frames until the stream ends."""
         try:
             while True:
                 kind, conn, size = HEADER.unpack(self._recv_exact(HEADER.size))
                 payload = self._recv_exact(size) if size else b""
-                if kind == OPEN and self.dial is not None:
+                if kind == DGRAM and len(payload) >= PORT.size:
+                    self._dgram(conn, payload)
+                elif kind == OPEN and self.dial is not None:
                     try:
                         far = self.dial(struct.unpack(">H", payload)[0])
                     except OSError:
@@ -149,8 +189,9 @@ class Mux:
             self.closed.set()
 
 
-def start_guest_relay(forward: str, ports: list[int]) -> Mux:
-    """Listen on 127.0.0.1:<port> for each port and carry every connection over ``forward``."""
+def start_guest_relay(forward: str, ports: list[int], udp_ports: list[int] | None = None) -> Mux:
+    """Listen on 127.0.0.1:<port> for each port and carry every connection over ``forward``; the same for
+    the datagrams sent to 127.0.0.1:<udp port>."""
     host, _, port = forward.rpartition(":")
     deadline = time.monotonic() + 60
     while True:
@@ -174,7 +215,31 @@ def start_guest_relay(forward: str, ports: list[int]) -> Mux:
                 mux.open(local, listen_port)
 
         threading.Thread(target=accept, daemon=True).start()
+    for udp_port in udp_ports or []:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("127.0.0.1", udp_port))
+        mux.udp[udp_port] = sock
+
+        def forward_datagrams(sock: socket.socket = sock, udp_port: int = udp_port) -> None:
+            while True:
+                data, (_, client) = sock.recvfrom(65535)
+                mux.send(DGRAM, client, PORT.pack(udp_port) + data)
+
+        threading.Thread(target=forward_datagrams, daemon=True).start()
     return mux
+
+
+def _wait_for_time_sync(seconds: float) -> str:
+    """Wait (at most ``seconds``) for systemd-timesyncd to synchronise with the release's NTP server, which
+    it reaches through the relay; what timedatectl then says."""
+    deadline = time.monotonic() + seconds
+    while True:
+        _, synced = _run("timedatectl", "show", "-p", "NTPSynchronized", "--value", timeout=30)
+        if synced.strip() == "yes" or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    _, status = _run("timedatectl", "timesync-status", timeout=30)
+    return f"NTPSynchronized={synced.strip()}\n{status}"
 
 
 def _run(*argv: str, timeout: float = 900) -> tuple[int, str]:
@@ -231,10 +296,11 @@ def run(seed: Path) -> bool:
 
     # The server, through the host: 127.0.0.1:<port> here, relayed over the one guest forward.
     try:
-        start_guest_relay(demo["forward"], demo["ports"])
+        start_guest_relay(demo["forward"], demo["ports"], demo.get("udp_ports") or [])
     except OSError as exc:
         step(2, "relay", False, f"cannot reach the host's relay at {demo['forward']}: {exc}")
         return False
+    synced = _wait_for_time_sync(float(demo.get("time_sync_s", 0)))
 
     # 2. configure.
     CONFIG_DIR.mkdir(mode=0o700, exist_ok=True)
@@ -244,7 +310,7 @@ def run(seed: Path) -> bool:
         target.chmod(0o600)
     listing = "\n".join(f"{stat.filemode(p.stat().st_mode)} {p}" for p in sorted(CONFIG_DIR.iterdir()))
     step(2, "configure", True, listing + "\n--- /etc/nodeagent/config.yaml ---\n"
-         + (CONFIG_DIR / "config.yaml").read_text().strip())  # fmt: skip
+         + (CONFIG_DIR / "config.yaml").read_text().strip() + f"\n--- time ---\n{synced}")  # fmt: skip
 
     # 3. attest.
     rc, out = _run(

@@ -19,9 +19,10 @@ import sys
 from pathlib import Path
 
 from demo_common import (
+    HOST_POOL,
     NODE_NAME,
-    POOL_PROFILE,
     TRUST_DOMAIN,
+    pool_profile_text,
     run,
     say,
     server_config,
@@ -85,7 +86,7 @@ def host_chain(work: Path, *, tampered: bool = False) -> int:
 
             step(4, "The agent checks the GPUs and the node against the CPU pool")
             pool = work / "pool.yaml"
-            pool.write_text(POOL_PROFILE)
+            pool.write_text(pool_profile_text(HOST_POOL))
             check = run([sys.executable, "-m", "agent.cli", "check", "--pool", str(pool)])
             say("\n".join(check.stdout.strip().splitlines()[-8:]))
             if check.returncode != 0:

@@ -92,6 +92,22 @@ def test_demo_attests_checks_and_joins_the_booted_image(incremental_build: Build
         assert [e for e in _data_port(work) if e.get("done")] == [{"done": True, "ok": True}]
         assert steps["boot"]["unit"]["ExecMainStatus"] == "2"  # the unconfigured first run, as shipped
         assert steps["attest"]["ok"] and steps["check"]["ok"] and steps["join"]["joined"]
+        # the node's clock, synchronised with the site NTP server (chronyd on the host) through the relay, and
+        # every node check fatal as the cpu preset has it: all passed (no check turned into a warning)
+        assert "NTPSynchronized=yes" in steps["configure"]["output"], steps["configure"]["output"]
+        check = steps["check"]["output"]
+        for rule in (
+            "time_sync",
+            "swap",
+            "kernel_modules",
+            "sysctl",
+            "cgroup",
+            "container_runtime",
+            "disk",
+            "kubelet",
+        ):
+            assert re.search(rf"^\s*pass\s+node\.{rule}\b", check, re.MULTILINE), f"node.{rule}:\n{check}"
+        assert not re.search(r"^\s*warn\s+node\.", check, re.MULTILINE), check
         assert steps["join"]["unit"]["Result"] == "success"
         calls = steps["kubeadm"]["calls"]
         assert len(calls) == 1 and calls[0]["valid"] and calls[0]["mode"] == "0600", calls

@@ -93,12 +93,40 @@ def test_the_multiplexer_carries_concurrent_connections_to_the_mapped_port_only(
         assert _exchange(unmapped, b"hello") == b""
 
 
+def test_the_multiplexer_carries_the_nodes_ntp_datagrams_to_the_site_server(tmp_path: Path) -> None:
+    """The node's time service reaches the site NTP server (Debian's chronyd on the host) through the relay;
+    each client's answers come back to that client."""
+    from tests.support.ntp import NtpServer, sntp_query
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        guest_udp = int(probe.getsockname()[1])
+    with NtpServer.start(tmp_path / "ntp") as ntp, demo.host_relay({}, {guest_udp: ntp.port}) as relay:
+        demo_guest.start_guest_relay(f"127.0.0.1:{relay}", [], [guest_udp])
+        answers: dict[int, float] = {}
+
+        def client(i: int) -> None:
+            answers[i] = sntp_query(guest_udp, timeout=30)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        direct = ntp.query()
+    assert sorted(answers) == [0, 1, 2]
+    assert all(abs(answer - direct) < 60 for answer in answers.values()), (answers, direct)
+
+
 def test_the_seed_configures_the_agent_with_root_only_files_and_no_secret() -> None:
     text = demo.user_data(bundle=b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
                           kubeadm_path="/usr/local/sbin/nodetrust-demo-kubeadm")  # fmt: skip
     assert text.startswith("#cloud-config\n")
     cloud = yaml.safe_load(text)
     files = {f["path"]: f for f in cloud["write_files"]}
+    # the time servers, as a node-pool release writes them (world-readable, as systemd's own drop-ins)
+    timesyncd = files.pop(demo.TIMESYNCD_DROP_IN)
+    assert (timesyncd["content"], timesyncd["permissions"]) == ("[Time]\nNTP=127.0.0.1\n", "0644")
     assert {f["permissions"] for f in files.values()} <= {"0600", "0700"}
     config = yaml.safe_load(files["/run/nodetrust-demo/config.yaml"]["content"])
     assert config["server"] == "127.0.0.1:8081" and config["join_server"] == "127.0.0.1:8082"
