@@ -40,7 +40,9 @@ PACKAGES = ("kubeadm", "kubelet", "kubectl")
 MAX_INFO_BYTES = 1024 * 1024
 _VERSION = re.compile(r"\Av?(\d+)\.(\d+)\.(\d+)\Z")
 _INSTALL_TIMEOUT_S = 900.0
-# apt only from the files named on its command line: no source list, no network, no lists update.
+# apt only from the files named on its command line: no source list (so nothing to download), no lists
+# update. Not --no-download: with it, apt 2.6 installs no local .deb at all ("E: Internal Error, Pathname
+# to install is not absolute"; --simulate still passes), which the booted image showed (vm-tests/test_demo.py).
 _APT_OFFLINE = (
     "-o", "Dir::Etc::SourceList=/dev/null",
     "-o", "Dir::Etc::SourceParts=/nonexistent",
@@ -191,7 +193,7 @@ def activate(version: str, image: Carried, *, packages: Sequence[str] = PACKAGES
             hint="rebuild the image with this version in kubernetes.staged",
         )
     debs = _staged_debs(folder, version, packages)
-    apt = ["apt-get", *_APT_OFFLINE, "--no-download", "--allow-downgrades", "--allow-change-held-packages"]
+    apt = ["apt-get", *_APT_OFFLINE, "--allow-downgrades", "--allow-change-held-packages"]
     try:
         run([*apt, "--simulate", "install", *map(str, debs)], timeout=300)
     except CommandError as exc:

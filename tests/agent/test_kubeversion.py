@@ -109,7 +109,10 @@ def test_a_staged_version_is_installed_offline_and_held(tmp_path: Path, apt: Pat
     assert "--simulate" in simulate and "--simulate" not in install
     for argv in (simulate, install):
         # offline (no source list), downgrades and held packages allowed, exactly the staged debs
-        assert "Dir::Etc::SourceList=/dev/null" in argv and "--no-download" in argv
+        assert "Dir::Etc::SourceList=/dev/null" in argv and "Dir::Etc::SourceParts=/nonexistent" in argv
+        assert (
+            "--no-download" not in argv
+        )  # with it, the real apt installs no local .deb (agent.kubeversion)
         assert "--allow-downgrades" in argv and "--allow-change-held-packages" in argv
         assert sorted(Path(a).name for a in argv if a.endswith(".deb")) == [
             f"{p}_1.35.3-1.1_amd64.deb" for p in sorted(kubeversion.PACKAGES)
