@@ -229,6 +229,23 @@ def start_guest_relay(forward: str, ports: list[int], udp_ports: list[int] | Non
     return mux
 
 
+def _default_route() -> str:
+    """QEMU's user-mode networking with ``restrict=on`` hands out an address but no router (libslirp
+    sends no gateway option when restricted); a rack network has a default gateway. The demo adds the
+    user-mode gateway (10.0.2.2) as the default route: restrict=on still drops every packet that is not
+    for the guest forward, so nothing leaves the host."""
+    _, route = _run("ip", "-4", "route", "show", "default")
+    if route.strip():
+        return f"default route: {route.strip()}"
+    _, addrs = _run("ip", "-4", "-o", "addr", "show")
+    dev = next((line.split()[1] for line in addrs.splitlines() if " 10.0.2." in line), "")
+    if not dev:
+        return f"no user-mode address to route through:\n{addrs}"
+    rc, out = _run("ip", "route", "add", "default", "via", "10.0.2.2", "dev", dev)
+    _, route = _run("ip", "-4", "route", "show", "default")
+    return f"default route added (rc {rc}{': ' + out if out else ''}): {route.strip()}"
+
+
 def _wait_for_time_sync(seconds: float) -> str:
     """Wait (at most ``seconds``) for systemd-timesyncd to synchronise with the release's NTP server, which
     it reaches through the relay; what timedatectl then says."""
@@ -300,7 +317,7 @@ def run(seed: Path) -> bool:
     except OSError as exc:
         step(2, "relay", False, f"cannot reach the host's relay at {demo['forward']}: {exc}")
         return False
-    synced = _wait_for_time_sync(float(demo.get("time_sync_s", 0)))
+    synced = _default_route() + "\n" + _wait_for_time_sync(float(demo.get("time_sync_s", 0)))
 
     # 2. configure.
     CONFIG_DIR.mkdir(mode=0o700, exist_ok=True)
