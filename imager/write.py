@@ -205,10 +205,10 @@ class DiskSink:
         self.chunked = chunked if chunked is not None and chunked.chunk_size % CHUNK == 0 else None
         count = 1 if self.chunked is None else hashers_for()
         self.pool = _Pool(DEPTH + count - 1, CHUNK)
-        self.hasher = _Hasher(self.pool)
+        self.hasher = _Hasher(self.pool) if self.chunked is None else None  # one digest of the whole
         self.hashers: list[_Stage] = (
-            [self.hasher] if self.chunked is None
-            else [_ChunkHasher(self.pool, i, self.chunked) for i in range(count)]
+            [self.hasher] if self.hasher is not None
+            else [_ChunkHasher(self.pool, i, self.chunked) for i in range(count) if self.chunked is not None]
         )  # fmt: skip
         self.writer = _Writer(self.pool, target)
         for stage in (*self.hashers, self.writer):
@@ -295,8 +295,10 @@ class DiskSink:
             raise ImagerError(
                 Reason.write_failed, f"{self.target.path}: flushing failed: {exc.strerror}"
             ) from None
-        if self.chunked is None:
+        if self.hasher is not None:
             return self.hasher.hash.hexdigest()
+        if self.chunked is None:  # a sink has one of its two hashers
+            raise ImagerError(Reason.internal, f"{self.name}: no digest was computed")
         self._check()  # a chunk that differs
         checked = sum(h.checked for h in self.hashers if isinstance(h, _ChunkHasher))
         if checked != len(self.chunked.digests) or self.offset != self.chunked.size:
