@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -224,18 +225,32 @@ def test_a_release_carries_the_pool_profile_for_the_nodes_own_checks(
         )
 
 
-def test_the_imager_writes_a_release_and_seeds_its_node_pool_cloud_init(
-    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
-    machine: Callable[..., Machine], tmp_path: Path,
-) -> None:  # fmt: skip
+def _published(
+    tmp_path: Path,
+    build_folder: Callable[..., Path],
+    keys: dict[str, Keys],
+    server: ReleaseServer,
+    **params: Any,
+) -> tuple[Path, dict[str, Any], Params]:
+    """A release of a fresh build folder, served; the imager's parameters for it (key and image pinned)."""
     made = _release(tmp_path, build_folder(raw=False, name="node-build"), keys, server)
     assert made.returncode == 0, made.stderr
     out = json.loads(made.stdout)
     folder = Path(out["folder"])
     release = json.loads((folder / "release.json").read_text())
+    pinned = Params(release=out["url"], key=out["key"], image=f"sha256:{release['images'][0]['sha256']}",
+                    hints={"serial": TARGET_SERIAL}, reboot="no", **params)  # fmt: skip
+    return folder, release, pinned
+
+
+def test_the_imager_writes_a_release_and_seeds_its_node_pool_cloud_init(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    machine: Callable[..., Machine], tmp_path: Path,
+) -> None:  # fmt: skip
+    folder, _release_json, params = _published(
+        tmp_path, build_folder, keys, server, agent={"node_name": "gpu-rack3-u12"}
+    )
     m = machine()
-    params = Params(release=out["url"], key=out["key"], image=f"sha256:{release['images'][0]['sha256']}",
-                    hints={"serial": TARGET_SERIAL}, agent={"node_name": "gpu-rack3-u12"}, reboot="no")  # fmt: skip
     result = m.image(params, keys_dir=None)
     target = m.node("nvme0n1")
     assert result.seed_partition is not None
@@ -277,14 +292,8 @@ def test_the_raw_image_is_checked_by_its_signed_chunk_list_which_is_itself_check
     cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
     machine: Callable[..., Machine], tmp_path: Path,
 ) -> None:  # fmt: skip
-    made = _release(tmp_path, build_folder(raw=False, name="node-build"), keys, server)
-    assert made.returncode == 0, made.stderr
-    out = json.loads(made.stdout)
-    folder = Path(out["folder"])
-    release = json.loads((folder / "release.json").read_text())
+    folder, release, params = _published(tmp_path, build_folder, keys, server, format="raw")
     raw = next(i for i in release["images"] if i["format"] == "raw")
-    params = Params(release=out["url"], key=out["key"], image=f"sha256:{release['images'][0]['sha256']}",
-                    hints={"serial": TARGET_SERIAL}, format="raw", reboot="no")  # fmt: skip
     listed = f"/{folder.name}/{raw['chunks']['name']}"
     # a chunk list that is not the signed one: refused before the image is fetched or the disk written
     server.faults[listed] = Fault(flip=10)
