@@ -14,7 +14,8 @@ The database is JSON: ``{"packages": {name: {"version": ..., "held": bool}}, "fa
 * ``apt-get ... --simulate install DEB...``: exit 100 when ``fail_simulate``, else 0, nothing changed;
 * ``apt-get ... install -y ... DEB...``: for each DEB (read with the real ``dpkg-deb --field``) installs
   its Package at its Version; refused (exit 100, nothing changed) if one of them is held and
-  ``--allow-change-held-packages`` is missing, or a downgrade without ``--allow-downgrades``;
+  ``--allow-change-held-packages`` is missing, or a downgrade without ``--allow-downgrades``; with
+  ``--no-download``, refused as the real apt 2.6 refuses it ("Pathname to install is not absolute");
 * ``kubelet --version``: ``Kubernetes v<upstream version of the installed kubelet>``.
 
 Every call is appended to ``calls``. Install with :func:`install_apt_double`.
@@ -82,6 +83,12 @@ def main(argv: list[str]) -> int:
             rc = 100 if data["fail_simulate"] else 0
             if rc:
                 sys.stderr.write("E: Unmet dependencies (apt double: fail_simulate)\n")
+        elif "--no-download" in args and debs:
+            # what apt 2.6 does (seen in the booted fixture image): no local .deb is installed with it
+            sys.stderr.write(
+                f"E: Internal Error, Pathname to install is not absolute '{Path(debs[0]).name}'\n"
+            )
+            rc = 100
         else:
             wanted = {f["Package"]: f["Version"] for f in map(_fields, debs)}
             for name, version in wanted.items():
