@@ -13,8 +13,9 @@ the list, has checked every byte of the image: the chunks are independent, so th
 parallel (the imager gives each core its own chunks). The whole-image digest stays for every other
 consumer.
 
-Public API: :data:`CHUNK_SIZE` (the builder's choice, 64 MiB), :func:`chunk_count`,
-:func:`render` (``path -> bytes``), :func:`parse` (the list's bytes, checked against the image).
+Public API: :data:`CHUNK_SIZE` (the builder's choice, 64 MiB), :data:`LINE` (bytes per chunk in a
+list), :func:`check_chunk_size`, :func:`chunk_count`, :func:`render` (``path -> bytes``), :func:`parse`
+(the list's bytes, checked against the image).
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ from pathlib import Path
 
 from protocol.errors import ReleaseFormatError
 
-__all__ = ["CHUNK_SIZE", "MAX_CHUNK_SIZE", "MIN_CHUNK_SIZE", "SUFFIX", "chunk_count", "parse", "render"]
+__all__ = [
+    "CHUNK_SIZE",
+    "LINE",
+    "MAX_CHUNK_SIZE",
+    "MIN_CHUNK_SIZE",
+    "SUFFIX",
+    "check_chunk_size",
+    "chunk_count",
+    "parse",
+    "render",
+]
 
 CHUNK_SIZE = 64 << 20
 MIN_CHUNK_SIZE = 1 << 20
