@@ -18,7 +18,7 @@ import pytest
 from imager import blockdev
 from imager.errors import ImagerError, Reason
 from imager.http import Fetcher
-from imager.write import CHUNK, HEAD_BYTES, hashers_for, write_raw
+from imager.write import CHUNK, HEAD_BYTES, Written, hashers_for, write_raw
 from protocol import chunklist
 from protocol.errors import ReleaseFormatError
 from protocol.release import ChunkList, Image
@@ -51,13 +51,28 @@ def _target(tmp_path: Path) -> Path:
     return target
 
 
+def _write(
+    path: Path, signed: Image, target: Path, chunks: tuple[bytes, ...], fault: Fault | None = None
+) -> Written:
+    """``write_raw`` of the served image to ``target`` with the signed chunk list ``chunks``."""
+    with ReleaseServer(path.parent) as srv:
+        if fault is not None:
+            srv.faults["/node.raw"] = fault
+        return write_raw(Fetcher(attempts=1), f"{srv.url}/node.raw", signed, target, chunks=chunks)
+
+
+def _head_blank(target: Path) -> bool:
+    """No partition table was committed: the disk cannot boot."""
+    with target.open("rb") as fh:
+        return not any(fh.read(HEAD_BYTES))
+
+
 def test_every_chunk_is_checked_and_the_disk_holds_the_image(
     tmp_path: Path, image: tuple[Path, Image, tuple[bytes, ...]]
 ) -> None:
     path, signed, digests = image
     target = _target(tmp_path)
-    with ReleaseServer(path.parent) as srv:
-        written = write_raw(Fetcher(attempts=1), f"{srv.url}/node.raw", signed, target, chunks=digests)
+    written = _write(path, signed, target, digests)
     assert written.sha256 == signed.sha256
     with target.open("rb") as fh:
         assert fh.read(SIZE) == path.read_bytes()
@@ -70,12 +85,11 @@ def test_the_chunks_are_what_is_checked_not_only_the_whole_digest(
     path, signed, digests = image
     wrong = (*digests[:2], hashlib.sha256(b"another chunk").digest(), *digests[3:])
     target = _target(tmp_path)
-    with ReleaseServer(path.parent) as srv, pytest.raises(ImagerError) as caught:
-        write_raw(Fetcher(attempts=1), f"{srv.url}/node.raw", signed, target, chunks=wrong)
+    with pytest.raises(ImagerError) as caught:
+        _write(path, signed, target, wrong)
     assert caught.value.reason == Reason.digest_mismatch
     assert f"chunk 2 (bytes {2 * CHUNK}-{3 * CHUNK - 1})" in caught.value.message
-    with target.open("rb") as fh:
-        assert not any(fh.read(HEAD_BYTES)), "the head was written: the disk could boot"
+    assert _head_blank(target), "the head was written: the disk could boot"
 
 
 def test_a_byte_flipped_in_one_chunk_stops_the_stream_naming_that_chunk(
@@ -83,14 +97,11 @@ def test_a_byte_flipped_in_one_chunk_stops_the_stream_naming_that_chunk(
 ) -> None:
     path, signed, digests = image
     target = _target(tmp_path)
-    with ReleaseServer(path.parent) as srv:
-        srv.faults["/node.raw"] = Fault(flip=4 * CHUNK + 12345)
-        with pytest.raises(ImagerError) as caught:
-            write_raw(Fetcher(attempts=1), f"{srv.url}/node.raw", signed, target, chunks=digests)
+    with pytest.raises(ImagerError) as caught:
+        _write(path, signed, target, digests, Fault(flip=4 * CHUNK + 12345))
     assert caught.value.reason == Reason.digest_mismatch
     assert "chunk 4 " in caught.value.message and digests[4].hex() in caught.value.message
-    with target.open("rb") as fh:
-        assert not any(fh.read(HEAD_BYTES))
+    assert _head_blank(target)
 
 
 def test_a_chunk_list_that_does_not_fit_the_image_is_refused() -> None:
@@ -125,8 +136,8 @@ def test_a_disk_that_does_not_keep_a_chunk_is_refused_at_read_back(
         real_flush(where)
 
     monkeypatch.setattr(blockdev, "flush", losing_flush)
-    with ReleaseServer(path.parent) as srv, pytest.raises(ImagerError) as caught:
-        write_raw(Fetcher(attempts=1), f"{srv.url}/node.raw", signed, target, chunks=digests)
+    with pytest.raises(ImagerError) as caught:
+        _write(path, signed, target, digests)
     assert caught.value.reason == Reason.readback_mismatch
     assert (
         "chunk 3 reads back as sha256" in caught.value.message and digests[3].hex() in caught.value.message
