@@ -57,12 +57,24 @@ RELEASE_TIME_SERVERS = {
     "chrony": "/etc/chrony/sources.d/50-nodetrust.sources",
 }
 TIME_UNITS = {"systemd-timesyncd": "systemd-timesyncd.service", "chrony": "chrony.service"}
+DEFAULT_TIME_CLIENT = "systemd-timesyncd"  # Ubuntu's, and what an image that names none runs
 #: How the time client takes servers written while it runs (cloud-init writes the release's after it started).
 TIME_RELOAD = {
     "systemd-timesyncd": "/bin/systemctl try-restart systemd-timesyncd.service",
     "chrony": "/usr/bin/chronyc reload sources",
 }
 TIME_PATH_UNIT = "nodetrust-time-servers.path"
+
+
+def time_servers_file(client: str, servers: list[str]) -> tuple[str, str]:
+    """Where and what a node-pool release writes to give ``client`` the site's ``servers``."""
+    if client == "chrony":
+        return RELEASE_TIME_SERVERS[client], "".join(f"server {s} iburst\n" for s in servers)
+    if client == "systemd-timesyncd":
+        return RELEASE_TIME_SERVERS[client], "[Time]\nNTP=" + " ".join(servers) + "\n"
+    raise BuildError(f"no time client {client!r}", hint=f"use one of {', '.join(sorted(TIME_UNITS))}")
+
+
 UNIT_DIR = "/usr/lib/systemd/system"
 DEFAULT_RUNTIME_PACKAGES = ("containerd", "runc", "containernetworking-plugins")
 _OWNER = re.compile(r"^[a-z_][a-z0-9_-]{0,31}(:[a-z_][a-z0-9_-]{0,31})?$")

@@ -113,8 +113,11 @@ def _image_files(iso: Path, out: Path) -> Chain:
     """GRUB's modules and grub-mkimage, the kernel and the fw_cfg module of the image's target root file system."""
     _run("osirrox", "-indev", iso, "-extract", "/casper/minimal.squashfs", out / "minimal.squashfs")
     root = out / "root"
+    # only what the chain needs (unsquashfs matches each path component as a wildcard): GRUB's modules and
+    # grub-mkimage, the kernels, and the one kernel module the guest loads, not every module of the kernel
+    fw_cfg = "*/kernel/drivers/firmware/qemu_fw_cfg.ko*"
     _run("unsquashfs", "-q", "-d", root, out / "minimal.squashfs", "usr/lib/grub/x86_64-efi", "usr/bin/grub-mkimage",
-         "boot", "usr/lib/modules", "lib/modules")  # fmt: skip
+         "boot/vmlinuz-*", f"usr/lib/modules/{fw_cfg}", f"lib/modules/{fw_cfg}")  # fmt: skip
     kernels = sorted((root / "boot").glob("vmlinuz-*"))
     assert kernels, "the target root file system has no /boot/vmlinuz-*"
     version = kernels[-1].name.removeprefix("vmlinuz-")

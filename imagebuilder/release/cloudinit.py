@@ -5,7 +5,9 @@
   node name when the release fixes one), its trust bundle (``/etc/nodeagent/bundle.pem``), the pool's
   profile when the release carries one (``/etc/nodeagent/pool.yaml``: the node's own checks judge what
   the server will, e.g. the kubelet skew against the pool's control plane) and the time servers
-  (``/etc/systemd/timesyncd.conf.d/50-nodetrust.conf``; the image applies them when written). Nothing is installed, nothing
+  (where the image's time client reads them: ``/etc/systemd/timesyncd.conf.d/50-nodetrust.conf`` for
+  systemd-timesyncd, ``/etc/chrony/sources.d/50-nodetrust.sources`` for chrony; the image applies them
+  when written). Nothing is installed, nothing
   is run: the image already holds the agent, and the agent joins the node.
 * **control-plane-init**: the first control-plane node. ``write_files`` a kubeadm
   ``InitConfiguration`` + ``ClusterConfiguration`` (``kubeadm.k8s.io/v1beta4``) with the release's
@@ -33,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from imagebuilder import nodespec
 from imagebuilder.errors import BuildError
 from imagebuilder.run import run
 
@@ -40,7 +43,7 @@ KUBEADM_API = "kubeadm.k8s.io/v1beta4"
 AGENT_CONFIG = "/etc/nodeagent/config.yaml"
 AGENT_BUNDLE = "/etc/nodeagent/bundle.pem"
 AGENT_POOL_PROFILE = "/etc/nodeagent/pool.yaml"
-TIMESYNCD = "/etc/systemd/timesyncd.conf.d/50-nodetrust.conf"
+TIMESYNCD = nodespec.RELEASE_TIME_SERVERS["systemd-timesyncd"]
 INIT_CONFIG = "/etc/kubernetes/kubeadm-init.yaml"
 JOIN_CONFIG = "/etc/kubernetes/kubeadm-join-control-plane.yaml"
 DISCOVERY = "/etc/kubernetes/discovery.conf"
@@ -114,7 +117,9 @@ def _doc(body: Mapping[str, Any]) -> str:
     return "#cloud-config\n" + yaml.safe_dump(dict(body), sort_keys=False, default_flow_style=False)
 
 
-def worker_user_data(pool: PoolConfig) -> str:
+def worker_user_data(pool: PoolConfig, time_client: str = nodespec.DEFAULT_TIME_CLIENT) -> str:
+    """The node pool's user-data; ``time_client`` (the image's, from its manifest) decides where the time
+    servers go (:func:`imagebuilder.nodespec.time_servers_file`)."""
     pool.check()
     agent: dict[str, str] = {"server": pool.server, "trust_domain": pool.trust_domain, "pool": pool.pool,
                              "bundle": AGENT_BUNDLE}  # fmt: skip
@@ -141,8 +146,8 @@ def worker_user_data(pool: PoolConfig) -> str:
             }
         )
     if pool.ntp:
-        files.append({"path": TIMESYNCD, "permissions": "0644", "owner": "root:root",
-                      "content": "[Time]\nNTP=" + " ".join(pool.ntp) + "\n"})  # fmt: skip
+        path, content = nodespec.time_servers_file(time_client, list(pool.ntp))
+        files.append({"path": path, "permissions": "0644", "owner": "root:root", "content": content})
     return _doc({"write_files": files})
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import yaml
 
+from imagebuilder import nodespec
 from imagebuilder.buildfolder import (
     SHA256SUMS,
     SIGNATURE,
@@ -140,6 +141,14 @@ def _boot_measurements(build_dir: Path, manifest: Mapping[str, Any], part: Path)
     return {**entry, "pcrs": sorted(reference.pcrs)}
 
 
+def _time_client(manifest: Mapping[str, Any]) -> str:
+    """The time client the image runs (its manifest's ``contents.node.host.time_sync.client``), or the
+    default for an image that names none."""
+    node = (manifest.get("contents") or {}).get("node") or {}
+    time_sync = (node.get("host") or {}).get("time_sync") or {}
+    return str(time_sync.get("client") or nodespec.DEFAULT_TIME_CLIENT)
+
+
 def release_name(spec: ReleaseSpec, version: str, architecture: str) -> str:
     if spec.name:
         return spec.name
@@ -147,11 +156,12 @@ def release_name(spec: ReleaseSpec, version: str, architecture: str) -> str:
     return f"k8s-{version}-{architecture}" + (f"-{suffix}" if suffix else "")
 
 
-def _cloud_init(spec: ReleaseSpec, work: Path, version: str) -> dict[str, str]:
-    """file name -> text of each role's user-data, each validated twice (ours, then cloud-init's)."""
+def _cloud_init(spec: ReleaseSpec, work: Path, version: str, time_client: str) -> dict[str, str]:
+    """file name -> text of each role's user-data, each validated twice (ours, then cloud-init's);
+    ``time_client``: the image's (its manifest's ``contents.node.host.time_sync``)."""
     files: dict[str, str] = {}
     if spec.pool is not None:
-        text = cloudinit.worker_user_data(spec.pool)
+        text = cloudinit.worker_user_data(spec.pool, time_client)
         cloudinit.check_worker(text)
         files["worker.user-data"] = text
     if spec.control_plane_endpoint:
@@ -238,7 +248,7 @@ def _assemble(  # noqa: PLR0917 - one private step of write_release
         entry["chunks"] = {**_artifact(part, listed), "chunk_size": chunklist.CHUNK_SIZE}
     for source, dest in ((spec.imager_kernel, KERNEL), (spec.imager_initrd, INITRD)):
         shutil.copyfile(source, part / dest)
-    cloud = _cloud_init(spec, scratch, version)
+    cloud = _cloud_init(spec, scratch, version, _time_client(manifest))
     for file_name, text in cloud.items():
         (part / file_name).write_text(text)
     (part / SIGNING_KEY).write_bytes(public_pem(public))

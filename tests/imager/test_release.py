@@ -225,6 +225,32 @@ def test_a_release_carries_the_pool_profile_for_the_nodes_own_checks(
         )
 
 
+def test_the_time_servers_go_where_the_images_time_client_reads_them(
+    cloud_init_schema: None, tmp_path: Path
+) -> None:
+    """An image that runs chrony gets its servers in chrony's sources folder, not in timesyncd's (which
+    chrony never reads); the manifest says which client the image runs."""
+    from imagebuilder.release.folder import _time_client
+
+    bundle = tls_certificate(tmp_path)[0].read_text()
+    pool = cloudinit.PoolConfig(server="10.0.2.2:8081", trust_domain="nodetrust.test", pool="cpu",
+                                bundle_pem=bundle, ntp=("10.0.0.1", "ntp2.site.example"))  # fmt: skip
+    text = cloudinit.worker_user_data(pool, "chrony")
+    cloudinit.check_worker(text)
+    (tmp_path / "user-data").write_text(text)
+    cloudinit.validate_schema(tmp_path / "user-data")
+    files = {f["path"]: f for f in yaml.safe_load(text)["write_files"]}
+    assert cloudinit.TIMESYNCD not in files
+    chrony = files["/etc/chrony/sources.d/50-nodetrust.sources"]
+    assert chrony["content"] == "server 10.0.0.1 iburst\nserver ntp2.site.example iburst\n"
+    assert (chrony["permissions"], chrony["owner"]) == ("0644", "root:root")
+    chrony_image = {"contents": {"node": {"host": {"time_sync": {"client": "chrony"}}}}}
+    assert _time_client(chrony_image) == "chrony"
+    assert _time_client({"contents": {"node": {}}}) == _time_client({}) == "systemd-timesyncd"
+    with pytest.raises(BuildError, match="no time client 'ntpd'"):
+        cloudinit.worker_user_data(pool, "ntpd")
+
+
 def _published(
     tmp_path: Path,
     build_folder: Callable[..., Path],
