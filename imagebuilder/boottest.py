@@ -28,6 +28,7 @@ is a failed check, with the last console lines.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -45,9 +46,11 @@ from typing import Any
 from imagebuilder import media, nodespec, outputs
 from imagebuilder.bootvm import BootSpec, BootVm
 from imagebuilder.definition import Definition
-from imagebuilder.domain import DATA_PORT
+from imagebuilder.domain import DATA_PORT, GUEST_FORWARD
 from imagebuilder.errors import BootTestFailed, OutputError, VmError
+from imagebuilder.guest import relay
 from imagebuilder.guest.nodecheck import check_names as node_check_names
+from imagebuilder.sntp import SntpServer
 from imagebuilder.staging import StagedFile, staged_files
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ IDLE_S = 600.0
 TOTAL_S = 1800.0
 POWEROFF_S = 120.0
 CONSOLE_TAIL = 40
+NTP_PORT = 123
+GUEST_NTP_SERVER = "127.0.0.1"  # the guest's end of the relay to the host's NTP server (imagebuilder.sntp)
 HOST_CHECKS = ("measured-boot/reference",)  # made by the host from the report, after the guest's checks
 EARLY_CHECKS = ("image/machine-id", "image/ssh-host-keys", "image/agent-config", "image/build-leftovers")
 
@@ -134,6 +139,10 @@ def expect_from_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
     arch = _need(manifest, "architecture", str, "")
     if arch not in DATA_PORT:
         raise OutputError(f"manifest.json: architecture {arch!r} is not one the builder knows")
+    node = json.loads(json.dumps(contents.get("node") or {}))
+    time_sync = (node.get("host") or {}).get("time_sync")
+    if isinstance(time_sync, dict):
+        time_sync["servers"] = [GUEST_NTP_SERVER]  # the boot test's, as a node-pool release names a site's
     return {
         "build_id": str(manifest.get("build_id", "")),
         # a build that predicted its boot measurements: the guest reports its event log, the host compares
@@ -143,7 +152,7 @@ def expect_from_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
         "kubernetes": kube,
         "files": files,
         "agent": agent,
-        "node": contents.get("node") or {},
+        "node": node,
         "packages": [
             {"name": p["name"], "version": p["version"], "architecture": p["architecture"]} for p in packages
         ],
@@ -171,14 +180,23 @@ def checker_source(name: str = "boottest_check.py") -> str:
     return resources.files("imagebuilder.guest").joinpath(name).read_text(encoding="utf-8")
 
 
-def user_data() -> str:
-    """cloud-config whose ``bootcmd`` runs the checker's early part from the mounted seed."""
+def user_data(expect: Mapping[str, Any] | None = None) -> str:
+    """cloud-config: the relay to the host's NTP server and the checker's early part (``bootcmd``), and
+    the time servers where a node-pool release writes them (``write_files``)."""
     command = (
         f"d={SEED_MOUNT}; mkdir -p $d && mount -r -L CIDATA $d && python3 $d/{SCRIPT} early $d "
         "|| echo 'nodetrust-boottest: FAIL the boot test seed could not be mounted or run' > /dev/console; "
         "umount $d 2>/dev/null; true"
     )
-    return "#cloud-config\n" + json.dumps({"bootcmd": [["sh", "-c", command]]}, indent=2) + "\n"
+    cloud: dict[str, Any] = {"bootcmd": [["sh", "-c", command]]}
+    time_sync = (((expect or {}).get("node") or {}).get("host") or {}).get("time_sync") or {}
+    if time_sync.get("servers"):
+        cloud["bootcmd"].insert(0, relay.bootcmd(GUEST_FORWARD, udp_ports=[NTP_PORT], default_route=True))
+        path, content = nodespec.time_servers_file(str(time_sync["client"]), list(time_sync["servers"]))
+        cloud["write_files"] = [
+            {"path": path, "owner": "root:root", "permissions": "0644", "content": content}
+        ]
+    return "#cloud-config\n" + json.dumps(cloud, indent=2) + "\n"
 
 
 def meta_data(label: str) -> str:
@@ -189,7 +207,7 @@ def make_seed(expect: Mapping[str, Any], out: Path, *, label: str = "image") -> 
     """The NoCloud seed ISO: user-data, meta-data, the checker and expect.json."""
     with tempfile.TemporaryDirectory(prefix="imagebuilder-boottest-seed-") as tmp:
         tree = Path(tmp)
-        (tree / "user-data").write_text(user_data(), encoding="utf-8")
+        (tree / "user-data").write_text(user_data(expect), encoding="utf-8")
         (tree / "meta-data").write_text(meta_data(label), encoding="utf-8")
         (tree / SCRIPT).write_text(checker_source(), encoding="utf-8")
         (tree / NODE_SCRIPT).write_text(checker_source("nodecheck.py"), encoding="utf-8")
@@ -399,8 +417,11 @@ def run_boot_test(opts: BootTestOptions) -> Verdict:
     lines: list[str] = []
     problem = ""
     tail = ""
+    stack = contextlib.ExitStack()
     try:
         seed = make_seed(expect, work / "seed.iso", label=str(opts.manifest.get("name", "image")))
+        ntp = stack.enter_context(SntpServer.start())
+        forward = stack.enter_context(relay.host_relay({}, {NTP_PORT: ntp.port}))
         spec = BootSpec(
             image=opts.image,
             seed=seed,
@@ -408,6 +429,7 @@ def run_boot_test(opts: BootTestOptions) -> Verdict:
             arch=str(opts.manifest.get("architecture", "amd64")),
             memory_mib=opts.memory_mib,
             cpus=opts.cpus,
+            listener_port=forward,
         )
 
         def on_console(line: str) -> None:
@@ -434,7 +456,9 @@ def run_boot_test(opts: BootTestOptions) -> Verdict:
             except VmError as exc:
                 problem = exc.message.split("\n", 1)[0]
             tail = _console_tail(vm.console)
+        log.debug("boot test: the NTP server answered %d request(s)", ntp.answered)
     finally:
+        stack.close()
         if opts.keep_work:
             log.info("boot test work directory (kept): %s", work)
         else:

@@ -206,6 +206,11 @@ def test_the_build_boot_tested_the_image(full_build: Build) -> None:
     )
     assert checks["node/sysctls"]["detail"] == "3 applied at boot"
     assert checks["node/swap"]["detail"] == "no active swap; swap.target masked"
+    # the clock: set from the boot test's NTP server on the host's loopback, through the guest's relay, before
+    # time-sync.target (systemd-time-wait-sync held the boot until then: nothing was masked)
+    assert "synchronised with 127.0.0.1: yes" in checks["node/time-sync"]["detail"], checks["node/time-sync"]
+    assert "systemd-time-wait-sync.service: active" in checks["node/time-sync"]["detail"]
+    assert "NTPSynchronized=yes" in checks["node/time-sync"]["detail"]
     assert checks["gpu/kernel-modules"]["detail"].startswith(
         f"precompiled for the running kernel {report['kernel']}"
     )

@@ -14,12 +14,15 @@ boot changes it or from proof that this boot changed it:
 * ``image/build-leftovers``: nothing the build used inside the target is left (the base's
   compiled pip, the staging medium's mount point and apt source, the no-daemons policy).
 
-It then stops ``systemd-time-wait-sync.service`` **for this boot only** (``mask --runtime``):
-the image enables it so that the agent (ordered after ``time-sync.target``) never runs on a
-wrong clock, and no NTP server is reachable from the test VM, so without this neither
-``time-sync.target`` nor ``multi-user.target`` (nor cloud-init's final stage) would ever be
-reached. It queues the ``late`` part as a transient unit ordered after ``multi-user.target``
-and ``cloud-final.service``.
+The image enables ``systemd-time-wait-sync.service`` so that the agent (ordered after
+``time-sync.target``) never runs on a wrong clock. The boot test serves the guest time as a rack
+does: its own NTP server on the host's loopback (:mod:`imagebuilder.sntp`), reached through the
+relay that the seed's first ``bootcmd`` starts (:mod:`imagebuilder.guest.relay`), named in the file
+a node-pool release writes (``write_files``); so the boot waits for the clock as a node's does, and
+``node/time-sync`` requires the client synchronised. Only an image that enables the wait but
+declares no time client (nothing for the boot test to configure) has the wait stopped for this
+boot only (``mask --runtime``), with a console line saying so. It queues the ``late`` part as a
+transient unit ordered after ``multi-user.target`` and ``cloud-final.service``.
 
 ``late``: the Kubernetes packages installed at the expected version and held, the staged
 versions, every staged file (artifacts, Kubernetes debs, the agent's units) at its path with
@@ -440,13 +443,15 @@ def early(seed: Path) -> int:
     (STATE / "early.json").write_text(json.dumps(checks))
     report(expect, "NODETRUST-BOOTTEST-EARLY", checks, {"boot_time": btime})
     rc, state = _run("systemctl", "is-enabled", TIME_WAIT_SYNC)
-    if state.strip() == "enabled":
+    time_sync = ((expect.get("node") or {}).get("host") or {}).get("time_sync") or {}
+    served = bool(time_sync.get("servers"))  # the boot test's NTP server, through the relay
+    if state.strip() == "enabled" and not served:
         _console(
             expect,
             [
-                f"no NTP server is reachable from this test VM: {TIME_WAIT_SYNC} is stopped and masked for "
-                "this boot only (the image keeps it enabled) so that time-sync.target and multi-user.target "
-                "are reached"
+                f"this image enables {TIME_WAIT_SYNC} but configures no time client for the boot test to serve: "
+                "it is stopped and masked for this boot only (the image keeps it enabled) so that "
+                "time-sync.target and multi-user.target are reached"
             ],
         )
         _run("systemctl", "mask", "--runtime", TIME_WAIT_SYNC)

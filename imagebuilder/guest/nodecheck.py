@@ -181,12 +181,36 @@ def check_host(root: Path, host: dict[str, Any]) -> list[Check]:
         _rc, active = _run("systemctl", "is-active", ts["unit"])
         enabled = _unit_state(ts["unit"])
         ok = enabled == "enabled" and active.splitlines()[-1:] == ["active"]
-        checks.append(_check(
-            "node/time-sync", ok,
+        detail = (
             f"{ts['unit']} {enabled} and {active.splitlines()[-1] if active else '?'}; the site's servers come from "
-            f"the node-pool release ({ts['release_file']})",
-        ))  # fmt: skip
+            f"the node-pool release ({ts['release_file']})"
+        )
+        if ts.get("servers"):  # the boot test served it time: the client must have synchronised with it
+            synced, said = _synchronised(str(ts["client"]))
+            if _unit_state(TIME_WAIT_SYNC) == "enabled":  # it held time-sync.target until the clock was set
+                _rc, waited = _run("systemctl", "is-active", TIME_WAIT_SYNC)
+                synced = synced and waited.splitlines()[-1:] == ["active"]
+                said = f"{TIME_WAIT_SYNC}: {waited}\n{said}"
+            ok = ok and synced
+            detail += f"; synchronised with {' '.join(ts['servers'])}: {'yes' if synced else 'NO'}\n{said}"
+        checks.append(_check("node/time-sync", ok, detail))
     return checks
+
+
+TIME_WAIT_SYNC = "systemd-time-wait-sync.service"
+
+
+def _synchronised(client: str) -> tuple[bool, str]:
+    """Whether the time client has set the clock from its servers, and what it says about it."""
+    if client == "chrony":
+        _rc, out = _run("chronyc", "-n", "tracking")
+        fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        leap = fields.get("Leap status", "").strip()
+        reference = fields.get("Reference ID", "").strip()
+        return leap == "Normal" and not reference.startswith("00000000"), out
+    _rc, synced = _run("timedatectl", "show", "-p", "NTPSynchronized", "--value")
+    _rc, status = _run("timedatectl", "timesync-status")
+    return synced.strip() == "yes", f"NTPSynchronized={synced.strip()}\n{status}"
 
 
 # -- container runtime ------------------------------------------------------------------------------

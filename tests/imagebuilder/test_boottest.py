@@ -132,7 +132,17 @@ def test_the_seed(manifest: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "out"
     user_data = (out / "user-data").read_text()
     assert user_data.startswith("#cloud-config\n")
-    command = json.loads(user_data.split("\n", 1)[1])["bootcmd"][0]
+    cloud = json.loads(user_data.split("\n", 1)[1])
+    relay_start, command = cloud["bootcmd"]  # the relay to the host's NTP server first, then the checker
+    assert relay_start[:2] == ["sh", "-c"] and "systemd-run --unit=nodetrust-relay.service" in relay_start[2]
+    assert relay_start[2].endswith("10.0.2.100:8080 --udp 123 --default-route")
+    # the time servers where a node-pool release writes them, for the image's time client
+    assert expect["node"]["host"]["time_sync"]["servers"] == ["127.0.0.1"]
+    assert cloud["write_files"] == [{"path": "/etc/systemd/timesyncd.conf.d/50-nodetrust.conf", "owner": "root:root",
+                                     "permissions": "0644", "content": "[Time]\nNTP=127.0.0.1\n"}]  # fmt: skip
+    from imagebuilder.release.cloudinit import validate_schema
+
+    validate_schema(out / "user-data")  # cloud-init's own schema accepts it
     assert command[:2] == ["sh", "-c"]
     assert f"mount -r -L CIDATA {boottest.SEED_MOUNT}" in command[2].replace("$d", boottest.SEED_MOUNT)
     assert f"python3 $d/{boottest.SCRIPT} early $d" in command[2]
