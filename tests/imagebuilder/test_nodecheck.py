@@ -143,3 +143,65 @@ def test_gpu_modules_must_come_from_a_package_for_the_running_kernel(
     commands[("uname", "-r")] = (0, "6.1.0-51-amd64")
     checks = {c["name"]: c for c in nodecheck.check_gpu(root, gpu)}
     assert "missing nvidia, nvidia_uvm, nvidia_modeset" in checks["gpu/kernel-modules"]["detail"]
+
+
+@pytest.mark.parametrize(
+    ("client", "answers", "ok"),
+    [
+        (
+            "systemd-timesyncd",
+            {("timedatectl", "show", "-p", "NTPSynchronized", "--value"): (0, "yes")},
+            True,
+        ),
+        (
+            "systemd-timesyncd",
+            {("timedatectl", "show", "-p", "NTPSynchronized", "--value"): (0, "no")},
+            False,
+        ),
+        (
+            "chrony",
+            {
+                ("chronyc", "-n", "tracking"): (
+                    0,
+                    "Reference ID    : 7F000001 (127.0.0.1)\nLeap status     : Normal",
+                )
+            },
+            True,
+        ),
+        (
+            "chrony",
+            {
+                ("chronyc", "-n", "tracking"): (
+                    0,
+                    "Reference ID    : 00000000 ()\nLeap status     : Not synchronised",
+                )
+            },
+            False,
+        ),
+    ],
+)
+def test_a_served_clock_must_have_synchronised(
+    tmp_path: Path, commands: dict[tuple[str, ...], tuple[int, str]], client: str,
+    answers: dict[tuple[str, ...], tuple[int, str]], ok: bool,
+) -> None:  # fmt: skip
+    """When the boot test served the guest time, node/time-sync fails a client that did not synchronise,
+    and one whose systemd-time-wait-sync never finished."""
+    unit = "chrony.service" if client == "chrony" else "systemd-timesyncd.service"
+    host = {
+        **HOST,
+        "time_sync": {"client": client, "unit": unit, "release_file": "/x", "servers": ["127.0.0.1"]},
+    }
+    commands[("systemctl", "is-enabled", unit)] = (0, "enabled")
+    commands[("systemctl", "is-active", unit)] = (0, "active")
+    commands[("systemctl", "is-enabled", "systemd-time-wait-sync.service")] = (0, "enabled")
+    commands[("systemctl", "is-active", "systemd-time-wait-sync.service")] = (0, "active")
+    commands.update(answers)
+    check = next(c for c in nodecheck.check_host(_root(tmp_path), host) if c["name"] == "node/time-sync")
+    assert check["ok"] is ok, check
+    assert f"synchronised with 127.0.0.1: {'yes' if ok else 'NO'}" in check["detail"]
+    if ok:  # the wait for the clock that never ended fails it too
+        commands[("systemctl", "is-active", "systemd-time-wait-sync.service")] = (3, "activating")
+        check = next(
+            c for c in nodecheck.check_host(_root(tmp_path / "again"), host) if c["name"] == "node/time-sync"
+        )
+        assert not check["ok"], check
