@@ -204,7 +204,9 @@ def _synchronised(client: str) -> tuple[bool, str]:
     """Whether the time client has set the clock from its servers, and what it says about it."""
     if client == "chrony":
         _rc, out = _run("chronyc", "-n", "tracking")
-        fields = {k.strip(): v for k, _, v in (line.partition(":") for line in out.splitlines() if ":" in line)}
+        fields = {
+            k.strip(): v for k, _, v in (line.partition(":") for line in out.splitlines() if ":" in line)
+        }
         leap = fields.get("Leap status", "").strip()
         reference = fields.get("Reference ID", "").strip()
         return leap == "Normal" and not reference.startswith("00000000"), out
