@@ -68,7 +68,7 @@ UBUNTU_DEFINITION = ROOT / "examples" / "ubuntu-2404-node.yaml"
 DEFAULT_CACHE = ROOT / ".cache" / "imagebuilder-vm-tests"
 GUEST_ATTEST_PORT, GUEST_JOIN_PORT = 8081, 8082  # the guest relay's ports on the node's loopback
 GUEST_NTP_PORT = 123  # UDP: the site NTP server (chronyd on the host), through the same relay
-TIMESYNCD_DROP_IN = "/etc/systemd/timesyncd.conf.d/50-nodetrust.conf"
+TIMESYNCD_DROP_IN = "/etc/systemd/timesyncd.conf.d/50-nodetrust.conf"  # nodespec.RELEASE_TIME_SERVERS
 TIME_SYNC_S = 180  # how long the node waits for its clock to synchronise before its checks
 GUEST_FORWARD = "10.0.2.100:8080"  # imagebuilder.domain.GUEST_FORWARD: the one stream to the host
 SEED_DIR = "/run/nodetrust-demo"
@@ -148,54 +148,6 @@ def libvirt_services(work: Path) -> Iterator[None]:
                     proc.kill()
                     proc.wait()
             print(f"  stopped {name} (pid {proc.pid}), which the demo started")
-
-
-@contextlib.contextmanager
-def host_relay(ports: dict[int, int], udp_ports: dict[int, int] | None = None) -> Iterator[int]:
-    """The host half of the node's connection multiplexer (``demo_guest.Mux``): QEMU connects its
-    character device here; each connection the node opens to its 127.0.0.1:<guest port> becomes a
-    loopback connection to ``ports[guest port]``, and each datagram it sends to 127.0.0.1:<udp port> one
-    to ``udp_ports[udp port]``; nothing else. Yields the listening port."""
-    import socket
-    import threading
-
-    from demo_guest import Mux
-
-    def dial(port: int) -> socket.socket:
-        if port not in ports:
-            raise OSError(f"no forward for port {port}")
-        far = socket.create_connection(("127.0.0.1", ports[port]), timeout=30)
-        far.settimeout(None)
-        return far
-
-    def dial_udp(port: int) -> socket.socket:
-        if port not in (udp_ports or {}):
-            raise OSError(f"no forward for UDP port {port}")
-        far = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        far.connect(("127.0.0.1", (udp_ports or {})[port]))
-        return far
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    streams: list[socket.socket] = []
-
-    def accept() -> None:
-        while True:
-            try:
-                stream, _ = listener.accept()
-            except OSError:
-                return
-            stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            streams.append(stream)
-            threading.Thread(target=Mux(stream, dial, dial_udp).serve, daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield int(listener.getsockname()[1])
-    finally:
-        listener.close()
-        for stream in streams:
-            with contextlib.suppress(OSError):
-                stream.close()
 
 
 WAITED = [0.0]  # seconds spent waiting for other VMs (not the demo's own time)
@@ -352,6 +304,9 @@ def image_of(folder: Path) -> tuple[Path, dict[str, Any]]:
 def user_data(*, bundle: bytes, kubeadm_path: str) -> str:
     import yaml
 
+    from imagebuilder import nodespec
+    from imagebuilder.guest import relay
+
     seed = SEED_DIR
     config = {
         "server": f"127.0.0.1:{GUEST_ATTEST_PORT}",
@@ -369,9 +324,6 @@ def user_data(*, bundle: bytes, kubeadm_path: str) -> str:
     demo = {
         "server": config["server"],
         "trust_domain": TRUST_DOMAIN,
-        "forward": GUEST_FORWARD,
-        "ports": [GUEST_ATTEST_PORT, GUEST_JOIN_PORT],
-        "udp_ports": [GUEST_NTP_PORT],
         "time_sync_s": TIME_SYNC_S,
     }
 
@@ -379,12 +331,13 @@ def user_data(*, bundle: bytes, kubeadm_path: str) -> str:
         return {"path": path, "owner": "root:root", "permissions": mode, "content": content}
 
     cloud = {
-        # The image enables systemd-time-wait-sync (the agent must not run on a wrong clock). The site NTP
-        # server (chronyd on the host) is reachable only once the demo's relay runs (runcmd, after boot), so
-        # the boot's wait is stopped for this boot only; demo_guest.py waits for the clock before the checks.
+        # The relay to the host (the servers and the site NTP server, chronyd on the host) starts first: the
+        # image enables systemd-time-wait-sync (the agent must not run on a wrong clock), so the boot waits
+        # until the node's clock is set from the release's NTP server, as a racked node's does.
         "bootcmd": [
-            ["systemctl", "mask", "--runtime", "systemd-time-wait-sync.service"],
-            ["systemctl", "stop", "--no-block", "systemd-time-wait-sync.service"],
+            relay.bootcmd(
+                GUEST_FORWARD, [GUEST_ATTEST_PORT, GUEST_JOIN_PORT], [GUEST_NTP_PORT], default_route=True
+            )
         ],
         "write_files": [
             file(f"{seed}/guest.py", (ROOT / "scripts" / "demo_guest.py").read_text(), "0700"),
@@ -394,7 +347,9 @@ def user_data(*, bundle: bytes, kubeadm_path: str) -> str:
             file(f"{seed}/bundle.pem", bundle.decode()),
             file(f"{seed}/pool.yaml", pool_profile_text(VM_POOL)),
             # the site NTP server, as a node-pool release names it (imagebuilder.release.cloudinit.TIMESYNCD)
-            file(TIMESYNCD_DROP_IN, "[Time]\nNTP=127.0.0.1\n", "0644"),
+            file(
+                TIMESYNCD_DROP_IN, nodespec.time_servers_file("systemd-timesyncd", ["127.0.0.1"])[1], "0644"
+            ),
         ],
         "runcmd": [[VENV_PYTHON, f"{seed}/guest.py", "run", seed]],
     }
@@ -613,6 +568,8 @@ def vm_chain(work: Path, args: argparse.Namespace) -> int:
         print(
             f"  the site NTP server: Debian's chronyd on 127.0.0.1:{ntp.port} (it never sets this host's clock)"
         )
+        from imagebuilder.guest.relay import host_relay
+
         ports = {GUEST_ATTEST_PORT: server.attest_port, GUEST_JOIN_PORT: server.join_port}
         relay = stack.enter_context(host_relay(ports, {GUEST_NTP_PORT: ntp.port}))
         print(

@@ -33,19 +33,14 @@ kubeadm stand-in), as root.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import socket
 import stat
-import struct
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,182 +63,22 @@ This node has joined the cluster (nodetrust demo kubeadm stand-in: no cluster wa
 """
 
 
-# -- the connection multiplexer -------------------------------------------------------------------
-#
-# QEMU's ``guestfwd=...-cmd:`` forwards (one relay process per connection) cannot run under
-# libvirt: its seccomp sandbox (``-sandbox ...,spawn=deny``) kills QEMU when it forks. The one
-# guest forward that works is a character device: the guest's ``10.0.2.100:8080`` is a single
-# byte stream to a loopback port of the host, with no connection boundaries. So the guest keeps
-# one connection to it open and carries every agent connection over it in frames
-# (type, connection id, length, payload): OPEN (payload: the port the agent dialled), DATA, EOF.
-# The host half (scripts/demo.py) opens a loopback connection to the server per OPEN.
-
-#
-# UDP (the node's time service to the site NTP server) rides the same stream: a DGRAM frame's
-# connection id is the guest client's source port and its payload the service port (2 bytes) and
-# the datagram; the host answers with DGRAM frames of the same id.
-
-OPEN, DATA, EOF, DGRAM = 1, 2, 3, 4
-HEADER = struct.Struct(">BIH")
-PORT = struct.Struct(">H")
+# The node's loopback services (the attestation and join servers, the site NTP server) are carried to
+# the host by the relay (imagebuilder/guest/relay.py), which the seed's bootcmd starts as
+# nodetrust-relay.service before anything waits for the clock.
+RELAY_UNIT = "nodetrust-relay.service"
 
 
-class Mux:
-    """Many TCP connections over one stream; ``dial(port)`` opens the far end of an OPEN."""
-
-    def __init__(
-        self,
-        stream: socket.socket,
-        dial: Callable[[int], socket.socket] | None = None,
-        dial_udp: Callable[[int], socket.socket] | None = None,
-    ) -> None:
-        self.stream = stream
-        self.dial = dial
-        self.dial_udp = dial_udp  # the host half: a connected UDP socket to the service on that port
-        self.udp: dict[int, socket.socket] = {}  # guest half: service port -> bound socket; host half: flow
-        self.conns: dict[int, socket.socket] = {}
-        self.lock = threading.Lock()
-        self.next_id = 1
-        self.closed = threading.Event()
-
-    def send(self, kind: int, conn: int, payload: bytes = b"") -> None:
-        with self.lock:
-            self.stream.sendall(HEADER.pack(kind, conn, len(payload)) + payload)
-
-    def _recv_exact(self, n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = self.stream.recv(n - len(buf))
-            if not chunk:
-                raise EOFError
-            buf += chunk
-        return buf
-
-    def open(self, local: socket.socket, port: int) -> None:
-        """Carry ``local`` (accepted here) to ``port`` on the far side."""
-        with self.lock:
-            conn, self.next_id = self.next_id, self.next_id + 1
-            self.conns[conn] = local
-        self.send(OPEN, conn, struct.pack(">H", port))
-        threading.Thread(target=self._pump, args=(conn, local), daemon=True).start()
-
-    def _pump(self, conn: int, local: socket.socket) -> None:
-        try:
-            while chunk := local.recv(60000):
-                self.send(DATA, conn, chunk)
-        except OSError:
-            pass
-        with contextlib.suppress(OSError):
-            self.send(EOF, conn)
-
-    def _udp_replies(self, flow: int, port: int, far: socket.socket) -> None:
-        """Host half: the service's answers to one guest flow, back over the stream."""
-        with contextlib.suppress(OSError):
-            while data := far.recv(65535):
-                self.send(DGRAM, flow, PORT.pack(port) + data)
-
-    def _dgram(self, flow: int, payload: bytes) -> None:
-        port, data = PORT.unpack(payload[: PORT.size])[0], payload[PORT.size :]
-        if self.dial_udp is None:  # guest half: an answer for the client at 127.0.0.1:<flow>
-            sock = self.udp.get(port)
-            if sock is not None:
-                with contextlib.suppress(OSError):
-                    sock.sendto(data, ("127.0.0.1", flow))
-            return
-        far = self.udp.get(flow)
-        if far is None:
-            try:
-                far = self.dial_udp(port)
-            except OSError:
-                return
-            self.udp[flow] = far
-            threading.Thread(target=self._udp_replies, args=(flow, port, far), daemon=True).start()
-        with contextlib.suppress(OSError):
-            far.send(data)
-
-    def serve(self) -> None:
-        """Read frames until the stream ends."""
-        try:
-            while True:
-                kind, conn, size = HEADER.unpack(self._recv_exact(HEADER.size))
-                payload = self._recv_exact(size) if size else b""
-                if kind == DGRAM and len(payload) >= PORT.size:
-                    self._dgram(conn, payload)
-                elif kind == OPEN and self.dial is not None:
-                    try:
-                        far = self.dial(struct.unpack(">H", payload)[0])
-                    except OSError:
-                        self.send(EOF, conn)
-                        continue
-                    self.conns[conn] = far
-                    threading.Thread(target=self._pump, args=(conn, far), daemon=True).start()
-                elif kind == DATA and conn in self.conns:
-                    with contextlib.suppress(OSError):
-                        self.conns[conn].sendall(payload)
-                elif kind == EOF and conn in self.conns:
-                    with contextlib.suppress(OSError):
-                        self.conns[conn].shutdown(socket.SHUT_WR)
-        except (EOFError, OSError):
-            pass
-        finally:
-            self.closed.set()
-
-
-def start_guest_relay(forward: str, ports: list[int], udp_ports: list[int] | None = None) -> Mux:
-    """Listen on 127.0.0.1:<port> for each port and carry every connection over ``forward``; the same for
-    the datagrams sent to 127.0.0.1:<udp port>."""
-    host, _, port = forward.rpartition(":")
-    deadline = time.monotonic() + 60
+def _relay_running(seconds: float) -> tuple[bool, str]:
+    """Whether the relay unit is running (waiting at most ``seconds``), and its journal."""
+    deadline = time.monotonic() + seconds
     while True:
-        try:
-            stream = socket.create_connection((host, int(port)), timeout=10)
+        _, state = _run("systemctl", "is-active", RELAY_UNIT, timeout=30)
+        if state.strip() == "active" or time.monotonic() > deadline:
             break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
-    stream.settimeout(None)
-    stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    mux = Mux(stream)
-    threading.Thread(target=mux.serve, daemon=True).start()
-    for listen_port in ports:
-        server = socket.create_server(("127.0.0.1", listen_port))
-
-        def accept(server: socket.socket = server, listen_port: int = listen_port) -> None:
-            while True:
-                local, _ = server.accept()
-                mux.open(local, listen_port)
-
-        threading.Thread(target=accept, daemon=True).start()
-    for udp_port in udp_ports or []:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind(("127.0.0.1", udp_port))
-        mux.udp[udp_port] = sock
-
-        def forward_datagrams(sock: socket.socket = sock, udp_port: int = udp_port) -> None:
-            while True:
-                data, (_, client) = sock.recvfrom(65535)
-                mux.send(DGRAM, client, PORT.pack(udp_port) + data)
-
-        threading.Thread(target=forward_datagrams, daemon=True).start()
-    return mux
-
-
-def _default_route() -> str:
-    """QEMU's user-mode networking with ``restrict=on`` hands out an address but no router (libslirp
-    sends no gateway option when restricted); a rack network has a default gateway. The demo adds the
-    user-mode gateway (10.0.2.2) as the default route: restrict=on still drops every packet that is not
-    for the guest forward, so nothing leaves the host."""
-    _, route = _run("ip", "-4", "route", "show", "default")
-    if route.strip():
-        return f"default route: {route.strip()}"
-    _, addrs = _run("ip", "-4", "-o", "addr", "show")
-    dev = next((line.split()[1] for line in addrs.splitlines() if " 10.0.2." in line), "")
-    if not dev:
-        return f"no user-mode address to route through:\n{addrs}"
-    rc, out = _run("ip", "route", "add", "default", "via", "10.0.2.2", "dev", dev)
-    _, route = _run("ip", "-4", "route", "show", "default")
-    return f"default route added (rc {rc}{': ' + out if out else ''}): {route.strip()}"
+        time.sleep(1)
+    _, journal = _run("journalctl", "--no-pager", "-o", "cat", "-u", RELAY_UNIT, timeout=30)
+    return state.strip() == "active", f"{RELAY_UNIT}: {state.strip()}\n{journal}"
 
 
 def _wait_for_time_sync(seconds: float) -> str:
@@ -256,7 +91,8 @@ def _wait_for_time_sync(seconds: float) -> str:
             break
         time.sleep(2)
     _, status = _run("timedatectl", "timesync-status", timeout=30)
-    return f"NTPSynchronized={synced.strip()}\n{status}"
+    _, waited = _run("systemctl", "is-active", "systemd-time-wait-sync.service", timeout=30)
+    return f"NTPSynchronized={synced.strip()}\nsystemd-time-wait-sync.service: {waited.strip()}\n{status}"
 
 
 def _run(*argv: str, timeout: float = 900) -> tuple[int, str]:
@@ -311,13 +147,12 @@ def run(seed: Path) -> bool:
     if not step(1, "boot", ok, text, unit=first):
         return False
 
-    # The server, through the host: 127.0.0.1:<port> here, relayed over the one guest forward.
-    try:
-        start_guest_relay(demo["forward"], demo["ports"], demo.get("udp_ports") or [])
-    except OSError as exc:
-        step(2, "relay", False, f"cannot reach the host's relay at {demo['forward']}: {exc}")
+    # The servers, through the host: 127.0.0.1:<port> here, relayed over the one guest forward.
+    running, relayed = _relay_running(60)
+    if not running:
+        step(2, "relay", False, f"the relay to the host's services is not running:\n{relayed}")
         return False
-    synced = _default_route() + "\n" + _wait_for_time_sync(float(demo.get("time_sync_s", 0)))
+    synced = relayed + "\n" + _wait_for_time_sync(float(demo.get("time_sync_s", 0)))
 
     # 2. configure.
     CONFIG_DIR.mkdir(mode=0o700, exist_ok=True)

@@ -95,6 +95,9 @@ def test_demo_attests_checks_and_joins_the_booted_image(incremental_build: Build
         # the node's clock, synchronised with the site NTP server (chronyd on the host) through the relay, and
         # every node check fatal as the cpu preset has it: all passed (no check turned into a warning)
         assert "NTPSynchronized=yes" in steps["configure"]["output"], steps["configure"]["output"]
+        # the boot waited for the clock (nothing masked): the relay ran from bootcmd, before time-sync.target
+        assert "systemd-time-wait-sync.service: active" in steps["configure"]["output"]
+        assert "nodetrust-relay.service: active" in steps["configure"]["output"]
         check = steps["check"]["output"]
         for rule in (
             "time_sync",

@@ -1,15 +1,11 @@
-"""``make demo``'s pieces that need no VM: the node's connection multiplexer, the seed it boots
+"""``make demo``'s pieces that need no VM (its relay: tests/imagebuilder/test_relay.py): the seed it boots
 with, the image's kubeadm stand-in, the Ubuntu ISO check and the host's verdict."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,102 +16,9 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import demo  # noqa: E402
-import demo_guest  # noqa: E402
 from demo_common import DemoError  # noqa: E402
 
 from agent.kubeadm import join_configuration, write_join_config  # noqa: E402
-
-FLIP = bytes(255 - i for i in range(256))  # the echo server answers each byte inverted
-
-
-@pytest.fixture
-def echo_port() -> Iterator[int]:
-    server = socket.create_server(("127.0.0.1", 0))
-
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-
-            def echo(conn: socket.socket = conn) -> None:
-                while data := conn.recv(65536):
-                    conn.sendall(data.translate(FLIP))
-                conn.close()
-
-            threading.Thread(target=echo, daemon=True).start()
-
-    threading.Thread(target=serve, daemon=True).start()
-    yield int(server.getsockname()[1])
-    server.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _exchange(port: int, payload: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
-
-        def write() -> None:
-            conn.sendall(payload)
-            conn.shutdown(socket.SHUT_WR)
-
-        writer = threading.Thread(target=write)
-        writer.start()
-        received = b""
-        while data := conn.recv(65536):
-            received += data
-        writer.join()
-    return received
-
-
-def test_the_multiplexer_carries_concurrent_connections_to_the_mapped_port_only(echo_port: int) -> None:
-    guest_port, unmapped = _free_port(), _free_port()
-    with demo.host_relay({guest_port: echo_port}) as relay:
-        demo_guest.start_guest_relay(f"127.0.0.1:{relay}", [guest_port, unmapped])
-        results: dict[int, bool] = {}
-
-        def client(i: int) -> None:
-            payload = os.urandom(200_000 + i)
-            results[i] = _exchange(guest_port, payload) == payload.translate(FLIP)
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert results == dict.fromkeys(range(6), True)
-        # a port the host has no forward for: the connection is closed, nothing is dialled
-        assert _exchange(unmapped, b"hello") == b""
-
-
-def test_the_multiplexer_carries_the_nodes_ntp_datagrams_to_the_site_server(tmp_path: Path) -> None:
-    """The node's time service reaches the site NTP server (Debian's chronyd on the host) through the relay;
-    each client's answers come back to that client."""
-    from tests.support.ntp import NtpServer, sntp_query
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        guest_udp = int(probe.getsockname()[1])
-    with NtpServer.start(tmp_path / "ntp") as ntp, demo.host_relay({}, {guest_udp: ntp.port}) as relay:
-        demo_guest.start_guest_relay(f"127.0.0.1:{relay}", [], [guest_udp])
-        answers: dict[int, float] = {}
-
-        def client(i: int) -> None:
-            answers[i] = sntp_query(guest_udp, timeout=30)
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        direct = ntp.query()
-    assert sorted(answers) == [0, 1, 2]
-    assert all(abs(answer - direct) < 60 for answer in answers.values()), (answers, direct)
 
 
 def test_the_seed_configures_the_agent_with_root_only_files_and_no_secret() -> None:
@@ -134,11 +37,14 @@ def test_the_seed_configures_the_agent_with_root_only_files_and_no_secret() -> N
     from agent.config import SETTINGS
 
     assert set(config) <= {s.key for s in SETTINGS}  # the agent refuses unknown keys
-    assert ["systemctl", "mask", "--runtime", "systemd-time-wait-sync.service"] in cloud["bootcmd"]
+    # the relay to the host's services starts first (bootcmd), so the boot's wait for the clock ends as a
+    # racked node's does: nothing is masked
+    (relay_start,) = cloud["bootcmd"]
+    assert relay_start[2].endswith("10.0.2.100:8080 --tcp 8081 --tcp 8082 --udp 123 --default-route")
+    assert "mask --runtime" not in text
     assert cloud["runcmd"] == [
         [demo.VENV_PYTHON, "/run/nodetrust-demo/guest.py", "run", "/run/nodetrust-demo"]
     ]
-    assert json.loads(files["/run/nodetrust-demo/demo.json"]["content"])["forward"] == "10.0.2.100:8080"
 
 
 def _join_doc(**change: Any) -> dict[str, Any]:
