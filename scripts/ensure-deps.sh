@@ -64,3 +64,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     || { echo "the .venv is incomplete; see the pip output above" >&2; exit 1; }
   touch "$stamp"
 fi
+
+# cloud-init's own schema validation for `imagebuilder release` and the tests: Debian's package
+# unpacked into .cache/cloud-init-deb, never installed (a no-op once unpacked).
+scripts/cloud-init-schema.sh

@@ -124,7 +124,7 @@ def test_a_manifest_without_what_the_test_needs(manifest: dict[str, Any], change
 
 
 @pytest.mark.subprocess  # xorriso writes and reads the ISO
-def test_the_seed(manifest: dict[str, Any], tmp_path: Path) -> None:
+def test_the_seed(manifest: dict[str, Any], tmp_path: Path, cloud_init_schema: None) -> None:
     expect = expect_from_manifest(manifest)
     seed = boottest.make_seed(expect, tmp_path / "seed.iso", label="fixture-node")
     names = ("user-data", "meta-data", boottest.SCRIPT, boottest.EXPECT)

@@ -34,11 +34,6 @@ pytestmark = pytest.mark.subprocess
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
-def cloud_init_schema() -> None:
-    subprocess.run([str(REPO / "scripts" / "cloud-init-schema.sh")], check=True, timeout=600)
-
-
 def _kubeadm() -> str:
     from tests.support.peers import binary
 
