@@ -21,6 +21,50 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
     return out
 
 
+def _settings(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs whose values are YAML scalars (``true``, ``30``, ``30s``, ``text``)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for key, value in _pairs(items, "--agent-setting").items():
+        try:
+            parsed = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError:
+            parsed = value
+        out[key] = parsed if isinstance(parsed, (str, int, float, bool)) else value
+    return out
+
+
+def _files(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``DEST=SRC`` pairs: each SRC read (bounded) as UTF-8 text."""
+    from imagebuilder.release.cloudinit import MAX_FILE_BYTES
+
+    out = []
+    for item in items:
+        dest, sep, src = item.partition("=")
+        if not sep or not dest or not src:
+            raise BuildError(
+                f"--file {item!r} is not DEST=SRC",
+                hint="--file /etc/cni/net.d/10-site.conflist=./site.conflist",
+            )
+        try:
+            with Path(src).open("rb") as fh:
+                data = fh.read(MAX_FILE_BYTES + 1)
+        except OSError as exc:
+            raise BuildError(f"--file {dest}={src}: {exc.strerror}") from None
+        if len(data) > MAX_FILE_BYTES:
+            raise BuildError(
+                f"--file {dest}={src}: larger than {MAX_FILE_BYTES} bytes; a configuration file is smaller"
+            )
+        try:
+            out.append((dest, data.decode("utf-8")))
+        except UnicodeDecodeError:
+            raise BuildError(
+                f"--file {dest}={src}: not UTF-8 text", hint="a release writes text configuration only"
+            ) from None
+    return tuple(out)
+
+
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "release",
@@ -60,6 +104,13 @@ def register(subparsers: Any) -> None:
     pool.add_argument(
         "--pool-profile", type=Path, help="the pool's profile (YAML), written to /etc/nodeagent/pool.yaml"
     )
+    pool.add_argument("--agent-setting", action="append", default=[], metavar="KEY=VALUE",
+                      help="another nodeagent setting in /etc/nodeagent/config.yaml (docs/settings.md; VALUE is a "
+                           "YAML scalar: devid_enrol=true); repeat")  # fmt: skip
+    pool.add_argument("--file", action="append", default=[], metavar="DEST=SRC",
+                      help="write the text file SRC to DEST (under /etc, 0644 root:root) on every node of the pool: "
+                           "a CNI configuration, containerd registry hosts, the SPIRE agent's configuration; "
+                           "no secrets (a release is public); repeat")  # fmt: skip
     parser.add_argument("--control-plane-endpoint", default="", metavar="HOST:PORT",
                         help="also render control-plane cloud-init (kubeadm init / join --control-plane)")  # fmt: skip
     parser.add_argument("--kubeadm", default="", help="a kubeadm to run `kubeadm config validate` with")
@@ -97,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
         pool = PoolConfig(server=args.server or "", trust_domain=args.trust_domain or "", pool=args.pool or "",
                           bundle_pem=args.bundle.read_text(), join_server=args.join_server, node_name=args.node_name,
                           ntp=tuple(args.ntp),
-                          profile=args.pool_profile.read_text() if args.pool_profile else "")  # fmt: skip
+                          profile=args.pool_profile.read_text() if args.pool_profile else "",
+                          agent_settings=_settings(args.agent_setting), files=_files(args.file))  # fmt: skip
     spec = ReleaseSpec(
         build_dir=args.build_dir, build_key=args.build_key, signing_key=args.key, out=args.out,
         base_url=args.base_url, imager_kernel=args.imager / "vmlinuz", imager_initrd=args.imager / "initrd.img",

@@ -51,6 +51,12 @@ CLOUD_INIT_DEB_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "cloud-i
 _VERSION = re.compile(r"1\.[0-9]{1,3}\.[0-9]{1,3}")
 _HOSTPORT = re.compile(r"[A-Za-z0-9.-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:.]+\]:[0-9]{1,5}")
 _NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+_SETTING = re.compile(r"[a-z][a-z0-9_]{0,63}")
+_CONFIG_PATH = re.compile(r"/etc(/[A-Za-z0-9._@+-]{1,128}){1,8}")
+MAX_FILE_BYTES = 64 << 10  # one configuration file a release writes (--file)
+MAX_FILES_BYTES = 512 << 10  # all of them together
+# What the release writes itself: --file may not replace them, --agent-setting may not set these keys.
+RELEASE_SETTINGS = frozenset({"server", "join_server", "trust_domain", "pool", "bundle", "node_name"})
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,11 @@ class PoolConfig:
     node_name: str = ""
     ntp: tuple[str, ...] = ()
     profile: str = ""  # the pool profile (YAML, as gpu-checks.md describes), for the node's own checks
+    # more of the agent's settings (docs/settings.md, nodeagent), written into its configuration file
+    agent_settings: Mapping[str, Any] = field(default_factory=dict)
+    # site configuration files (path under /etc, UTF-8 text), written 0644 root:root: a CNI
+    # configuration, containerd's registry hosts, the SPIRE agent's configuration and bundle
+    files: tuple[tuple[str, str], ...] = ()
 
     def check(self) -> None:
         for what, value in (("server", self.server), ("join_server", self.join_server)):
@@ -90,6 +101,52 @@ class PoolConfig:
                 policy_from_mapping(loaded)
             except (yaml.YAMLError, ProtocolError, ValueError) as exc:
                 raise BuildError(f"--pool-profile: not a pool profile: {exc}") from exc
+        self._check_settings()
+        self._check_files()
+
+    def _check_settings(self) -> None:
+        for key, value in self.agent_settings.items():
+            if _SETTING.fullmatch(key) is None:
+                raise BuildError(
+                    f"--agent-setting {key!r}: not a setting name (docs/settings.md, nodeagent)"
+                )
+            if key in RELEASE_SETTINGS:
+                raise BuildError(
+                    f"--agent-setting {key}: the release sets it from its own option",
+                    hint=f"use --{key.replace('_', '-')}" if key != "bundle" else "use --bundle",
+                )
+            if not isinstance(value, (str, int, float, bool)) or (
+                isinstance(value, str) and len(value) > 4096
+            ):
+                raise BuildError(
+                    f"--agent-setting {key}: a string, number or boolean of at most 4096 characters"
+                )
+
+    def _check_files(self) -> None:
+        ours = {AGENT_CONFIG, AGENT_BUNDLE, AGENT_POOL_PROFILE, *nodespec.RELEASE_TIME_SERVERS.values()}
+        seen: set[str] = set()
+        total = 0
+        for path, content in self.files:
+            if _CONFIG_PATH.fullmatch(path) is None or any(p in (".", "..") for p in path.split("/")):
+                raise BuildError(
+                    f"--file {path}: the destination must be an absolute path under /etc (letters, digits, ._@+-)",
+                    hint="a node-pool release writes configuration only",
+                )
+            if path in ours:
+                raise BuildError(f"--file {path}: the release writes that file itself")
+            if path in seen:
+                raise BuildError(f"--file {path}: given twice")
+            seen.add(path)
+            size = len(content.encode())
+            total += size
+            if size > MAX_FILE_BYTES:
+                raise BuildError(
+                    f"--file {path}: {size} bytes; a configuration file is at most {MAX_FILE_BYTES}"
+                )
+            if total > MAX_FILES_BYTES:
+                raise BuildError(f"--file: more than {MAX_FILES_BYTES} bytes of files in all")
+            if "\0" in content:
+                raise BuildError(f"--file {path}: not text (a NUL byte)")
 
 
 @dataclass(frozen=True)
@@ -121,12 +178,13 @@ def worker_user_data(pool: PoolConfig, time_client: str = nodespec.DEFAULT_TIME_
     """The node pool's user-data; ``time_client`` (the image's, from its manifest) decides where the time
     servers go (:func:`imagebuilder.nodespec.time_servers_file`)."""
     pool.check()
-    agent: dict[str, str] = {"server": pool.server, "trust_domain": pool.trust_domain, "pool": pool.pool,
+    agent: dict[str, Any] = {"server": pool.server, "trust_domain": pool.trust_domain, "pool": pool.pool,
                              "bundle": AGENT_BUNDLE}  # fmt: skip
     if pool.join_server:
         agent["join_server"] = pool.join_server
     if pool.node_name:
         agent["node_name"] = pool.node_name
+    agent.update(pool.agent_settings)
     files = [
         {
             "path": AGENT_CONFIG,
@@ -148,6 +206,7 @@ def worker_user_data(pool: PoolConfig, time_client: str = nodespec.DEFAULT_TIME_
     if pool.ntp:
         path, content = nodespec.time_servers_file(time_client, list(pool.ntp))
         files.append({"path": path, "permissions": "0644", "owner": "root:root", "content": content})
+    files += [{"path": p, "permissions": "0644", "owner": "root:root", "content": c} for p, c in pool.files]
     return _doc({"write_files": files})
 
 

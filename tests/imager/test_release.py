@@ -220,6 +220,61 @@ def test_a_release_carries_the_pool_profile_for_the_nodes_own_checks(
         )
 
 
+def test_a_release_writes_the_sites_configuration_files_and_agent_settings(
+    cloud_init_schema: None, tmp_path: Path
+) -> None:
+    """``--file`` and ``--agent-setting``: configuration only, under /etc, bounded, never the release's own files."""
+    from imagebuilder.commands.release import _files, _settings
+
+    bundle = tls_certificate(tmp_path)[0].read_text()
+    conflist = '{"cniVersion": "1.0.0", "name": "site", "plugins": [{"type": "bridge"}]}\n'
+    (tmp_path / "site.conflist").write_text(conflist)
+    files = _files([f"/etc/cni/net.d/10-site.conflist={tmp_path / 'site.conflist'}"])
+    settings = _settings(["devid_enrol=true", "spire_agent_unit=spire-agent.service", "deadline_s=900"])
+    assert settings == {"devid_enrol": True, "spire_agent_unit": "spire-agent.service", "deadline_s": 900}
+    pool = cloudinit.PoolConfig(server="10.0.2.2:8081", trust_domain="nodetrust.test", pool="cpu",
+                                bundle_pem=bundle, agent_settings=settings, files=files)  # fmt: skip
+    text = cloudinit.worker_user_data(pool)
+    cloudinit.check_worker(text)
+    (tmp_path / "user-data").write_text(text)
+    cloudinit.validate_schema(tmp_path / "user-data")
+    written = {f["path"]: f for f in yaml.safe_load(text)["write_files"]}
+    assert written["/etc/cni/net.d/10-site.conflist"] == {
+        "path": "/etc/cni/net.d/10-site.conflist", "permissions": "0644", "owner": "root:root", "content": conflist,
+    }  # fmt: skip
+    agent = yaml.safe_load(written[cloudinit.AGENT_CONFIG]["content"])
+    assert agent["devid_enrol"] is True and agent["deadline_s"] == 900 and agent["pool"] == "cpu"
+
+    def refused(match: str, **change: Any) -> None:
+        base: dict[str, Any] = {
+            "server": "10.0.2.2:8081",
+            "trust_domain": "t.test",
+            "pool": "p",
+            "bundle_pem": bundle,
+        }
+        with pytest.raises(BuildError, match=match):
+            cloudinit.worker_user_data(cloudinit.PoolConfig(**{**base, **change}))
+
+    refused("under /etc", files=(("/usr/lib/systemd/system/evil.service", "[Service]\n"),))
+    refused("under /etc", files=(("/etc/../usr/bin/kubeadm", "x"),))
+    refused("under /etc", files=(("etc/relative", "x"),))
+    refused("writes that file itself", files=((cloudinit.AGENT_CONFIG, "server: evil:1\n"),))
+    refused("given twice", files=(("/etc/a.conf", "1"), ("/etc/a.conf", "2")))
+    refused("at most", files=(("/etc/big.conf", "x" * (cloudinit.MAX_FILE_BYTES + 1)),))
+    refused("in all", files=tuple((f"/etc/f{i}.conf", "x" * cloudinit.MAX_FILE_BYTES) for i in range(9)))
+    refused("NUL", files=(("/etc/bin.conf", "a\0b"),))
+    refused("from its own option", agent_settings={"server": "evil:1"})
+    refused("not a setting name", agent_settings={"Bad-Key": 1})
+    refused("at most 4096", agent_settings={"pool_profile": "x" * 5000})
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
+    with pytest.raises(BuildError, match="not UTF-8"):
+        _files([f"/etc/x.conf={tmp_path / 'binary'}"])
+    with pytest.raises(BuildError, match="not DEST=SRC"):
+        _files(["/etc/x.conf"])
+    with pytest.raises(BuildError, match="No such file"):
+        _files([f"/etc/x.conf={tmp_path / 'absent'}"])
+
+
 def test_the_time_servers_go_where_the_images_time_client_reads_them(
     cloud_init_schema: None, tmp_path: Path
 ) -> None:
