@@ -481,10 +481,15 @@ def assess(observations: Sequence[Observation], policy: PoolPolicy) -> tuple[tup
     return tuple(checks), verdict
 
 
+def judge(report: Report, policy: PoolPolicy) -> tuple[tuple[Check, ...], Verdict]:
+    """Every check and the verdict, recomputed from ``report``'s observations alone."""
+    return assess([Observation(c.name, c.source, c.observations) for c in report.checks], policy)
+
+
 def evaluate_checks(report: Report, policy: PoolPolicy) -> tuple[Check, ...]:
-    return assess([Observation(c.name, c.source, c.observations) for c in report.checks], policy)[0]
+    return judge(report, policy)[0]
 
 
 def evaluate(report: Report, policy: PoolPolicy) -> Verdict:
     """The verdict recomputed from ``report``'s observations alone."""
-    return assess([Observation(c.name, c.source, c.observations) for c in report.checks], policy)[1]
+    return judge(report, policy)[1]

@@ -44,9 +44,9 @@ from cryptography import x509
 from protocol._gen.nodetrust.join.v1 import join_pb2
 from protocol.errors import ProtocolError, SpiffeIdError
 from protocol.k8s import node_name_problem
-from protocol.policy import evaluate
+from protocol.policy import judge
 from protocol.quote import NONCE_BYTES
-from protocol.report import parse_report
+from protocol.report import Status, parse_report
 from protocol.spiffe import SpiffeId, is_agent_id
 from server import measured_boot
 from server.boundary import Call, Context, Method
@@ -312,8 +312,12 @@ class JoinService:
             report = parse_report(request.report)
         except ProtocolError as exc:
             raise InvalidRequestError(f"verification report: {exc}", reason="bad_report") from exc
-        verdict = evaluate(report, pool.policy)
-        call.set(verdict="pass" if verdict.passed else "fail")
+        checks, verdict = judge(report, pool.policy)
+        call.set(
+            verdict="pass" if verdict.passed else "fail",
+            passed_checks=sorted(c.name for c in checks if c.status == Status.PASS),
+            warned_checks=sorted({w.check for w in verdict.warnings}),
+        )
         if not verdict.passed:
             reasons = "; ".join(f"{f.check}: {f.reason}" for f in verdict.failures[:10])
             call.set(failed_checks=[f.check for f in verdict.failures])

@@ -8,6 +8,7 @@ than it announced, announce a larger ``Content-Length``, redirect, or answer wit
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -126,8 +127,15 @@ class _Handler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, root: Path) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
+    def __init__(self, root: Path, sock: socket.socket | None = None) -> None:
+        if sock is None:
+            super().__init__(("127.0.0.1", 0), _Handler)
+        else:  # a socket bound elsewhere (in a rack's network namespace, tests/support/rack.py)
+            super().__init__(sock.getsockname(), _Handler, bind_and_activate=False)
+            self.socket.close()
+            self.socket = sock
+            self.server_address = sock.getsockname()
+            self.server_activate()
         self.root = root
         self.faults: dict[str, Fault] = {}
         self.recorder = Recorder()
@@ -171,10 +179,13 @@ def tls_certificate(folder: Path) -> tuple[Path, Path]:
 
 
 class ReleaseServer:
-    """``with ReleaseServer(folder_parent) as srv: srv.url + '/<folder>/'``; HTTPS with ``tls``."""
+    """``with ReleaseServer(folder_parent) as srv: srv.url + '/<folder>/'``; HTTPS with ``tls``; ``sock``: a
+    bound socket to serve on (one of a network namespace) instead of a free loopback port."""
 
-    def __init__(self, root: Path, *, tls: tuple[Path, Path] | None = None) -> None:
-        self._server = _Server(root)
+    def __init__(
+        self, root: Path, *, tls: tuple[Path, Path] | None = None, sock: socket.socket | None = None
+    ) -> None:
+        self._server = _Server(root, sock)
         self.scheme = "http"
         if tls is not None:
             import ssl

@@ -84,6 +84,10 @@ def test_join_issues_a_token_and_everything_kubeadm_needs(
     assert live is not None and live.token_id == token_id and secret not in json.dumps(live.__dict__)
     audit = [line for line in env.srv.audit_lines() if line["event"] == "join"]
     assert audit[-1]["result"] == "ok" and audit[-1]["token_id"] == token_id
+    # how the server judged the report: the cpu pool only warns on node checks (this host is no node)
+    assert audit[-1]["verdict"] == "pass" and audit[-1]["passed_checks"], audit[-1]
+    assert all(name.startswith("node.") for name in audit[-1]["warned_checks"]), audit[-1]
+    assert not set(audit[-1]["passed_checks"]) & set(audit[-1]["warned_checks"])
     audit_text = env.srv.config.audit_path.read_text()
     assert secret not in audit_text and grant.token not in audit_text
     assert all(secret not in r.getMessage() for r in caplog.records)
@@ -151,6 +155,10 @@ def test_report_claiming_pass_with_failing_observations(env: JoinEnv, agent: Sim
     forged["verdict"] = {"passed": True, "failures": [], "warnings": []}
     with pytest.raises(JoinRefusedError, match="fails pool gpu"):
         join(env, agent, pool="gpu", report=canonical_json(report_from_json(forged)))
+    line = [a for a in env.srv.audit_lines() if a["event"] == "join"][-1]
+    failed = {f.check for f in report.verdict.failures}
+    assert line["verdict"] == "fail" and set(line["failed_checks"]) == failed, line  # judged, not believed
+    assert not failed & set(line["passed_checks"])
 
 
 def _raw_join(env: JoinEnv, agent: SimAgent, request: join_pb2.JoinRequest) -> tuple[str, str]:

@@ -6,7 +6,8 @@ Public API::
     class ControlPlane:
         work: Path; ns: NetNamespace; host_port: int; started_in_s: float
         @classmethod
-        def start(cls, work: Path, *, port: int = 0, kubelet_config: dict | None = None) -> ControlPlane
+        def start(cls, work: Path, *, port: int = 0, kubelet_config: dict | None = None,
+                  version: str = "1.36.3", cert_sans: tuple[str, ...] = ()) -> ControlPlane
         def stop(self) -> None                       # API server first, waited for; then etcd
         host_url -> str                              # https://127.0.0.1:<host_port> (forwarded)
         endpoint -> str                              # 127.0.0.1:6443, inside ns (what kubeadm joins)
@@ -31,6 +32,12 @@ plus ``bootstrapsigner`` and ``tokencleaner``. ``start`` returns once the API se
 the BootstrapSigner has signed ``cluster-info`` for kubeadm's own token (which is then deleted, so the
 tests find only their own tokens). The host reaches the API server through tests/support/nsforward.py
 on 127.0.0.1:<host_port>; the serving certificate carries 127.0.0.1, so TLS verifies unchanged.
+
+``version``: another release than the peers' v1.36.3 runs the same source linked again with that version
+stamped (tests/support/kube_debs.py: kube-apiserver, kube-controller-manager, kubeadm and kubectl say that
+version; the code is 1.36.3's), so a cluster "on 1.35.3" is one kubeadm and the kubelets see as 1.35.3.
+``cert_sans``: more addresses in the serving certificate, e.g. the racked servers' gateway
+(tests/support/rack.py), where the API server is reachable for them.
 """
 
 from __future__ import annotations
@@ -73,7 +80,9 @@ KUBELET_CONFIG: dict[str, Any] = {
 }
 
 
-def _kubeadm_config(work: Path, kubelet_config: dict[str, Any]) -> str:
+def _kubeadm_config(
+    work: Path, kubelet_config: dict[str, Any], version: str = KUBE_VERSION, cert_sans: tuple[str, ...] = ()
+) -> str:
     init = {
         "apiVersion": "kubeadm.k8s.io/v1beta4",
         "kind": "InitConfiguration",
@@ -92,11 +101,11 @@ def _kubeadm_config(work: Path, kubelet_config: dict[str, Any]) -> str:
     cluster = {
         "apiVersion": "kubeadm.k8s.io/v1beta4",
         "kind": "ClusterConfiguration",
-        "kubernetesVersion": KUBE_VERSION,
+        "kubernetesVersion": version,
         "controlPlaneEndpoint": f"127.0.0.1:{API_PORT}",
         "certificatesDir": str(work / "pki"),
         "networking": {"serviceSubnet": "10.96.0.0/12", "dnsDomain": "cluster.local"},
-        "apiServer": {"certSANs": ["127.0.0.1", "localhost"]},
+        "apiServer": {"certSANs": ["127.0.0.1", "localhost", *cert_sans]},
         "etcd": {"local": {"dataDir": str(work / "etcd-data")}},
     }
     return yaml.safe_dump_all([init, cluster, kubelet_config], sort_keys=False)
@@ -126,10 +135,10 @@ def _etcd_argv(work: Path) -> list[str | Path]:
     ]
 
 
-def _apiserver_argv(work: Path) -> list[str | Path]:
+def _apiserver_argv(work: Path, bin_dir: Path) -> list[str | Path]:
     p = work / "pki"
     return [
-        binary("kube-apiserver"),
+        bin_dir / "kube-apiserver",
         f"--advertise-address={ADDRESS}",
         "--bind-address=127.0.0.1",
         f"--secure-port={API_PORT}",
@@ -161,11 +170,11 @@ def _apiserver_argv(work: Path) -> list[str | Path]:
     ]
 
 
-def _controller_manager_argv(work: Path) -> list[str | Path]:
+def _controller_manager_argv(work: Path, bin_dir: Path) -> list[str | Path]:
     p = work / "pki"
     conf = work / "kubeconfig" / "controller-manager.conf"
     return [
-        binary("kube-controller-manager"),
+        bin_dir / "kube-controller-manager",
         "--bind-address=127.0.0.1",
         f"--kubeconfig={conf}",
         f"--authentication-kubeconfig={conf}",
@@ -184,10 +193,21 @@ def _controller_manager_argv(work: Path) -> list[str | Path]:
     ]
 
 
+def _control_plane_binaries(version: str) -> Path:
+    """The bin folder of kube-apiserver, kube-controller-manager, kubeadm and kubectl for ``version``."""
+    if f"v{version}" == KUBE_VERSION:
+        return binary("kubeadm").parent
+    from tests.support.kube_debs import control_plane_binaries
+
+    return control_plane_binaries(version)
+
+
 class ControlPlane:
-    def __init__(self, work: Path, ns: NetNamespace) -> None:
+    def __init__(self, work: Path, ns: NetNamespace, version: str = KUBE_VERSION.removeprefix("v")) -> None:
         self.work = work
         self.ns = ns
+        self.version = version
+        self.bin_dir = _control_plane_binaries(version)
         self.host_port = 0
         self.started_in_s = 0.0
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -224,26 +244,34 @@ class ControlPlane:
     # -- start and stop ------------------------------------------------------------------------
     @classmethod
     def start(
-        cls, work: Path, *, port: int = 0, kubelet_config: dict[str, Any] | None = None
+        cls,
+        work: Path,
+        *,
+        port: int = 0,
+        kubelet_config: dict[str, Any] | None = None,
+        version: str = KUBE_VERSION.removeprefix("v"),
+        cert_sans: tuple[str, ...] = (),
     ) -> ControlPlane:
         """Bring up a control plane under ``work`` (created 0700); the host side listens on ``port`` (0: any)."""
         begun = time.monotonic()
         work.mkdir(parents=True, exist_ok=True)
         work.chmod(0o700)
         (work / "logs").mkdir(exist_ok=True)
+        binaries = _control_plane_binaries(version)  # PeerError naming `make peers` before anything starts
+        del binaries
         ns = NetNamespace.create()
-        cp = cls(work, ns)
+        cp = cls(work, ns, version)
         try:
-            cp._start(port, kubelet_config if kubelet_config is not None else KUBELET_CONFIG)
+            cp._start(port, kubelet_config if kubelet_config is not None else KUBELET_CONFIG, cert_sans)
         except BaseException:
             cp.stop()
             raise
         cp.started_in_s = time.monotonic() - begun
         return cp
 
-    def _start(self, port: int, kubelet_config: dict[str, Any]) -> None:
+    def _start(self, port: int, kubelet_config: dict[str, Any], cert_sans: tuple[str, ...]) -> None:
         config = self.work / "kubeadm.yaml"
-        config.write_text(_kubeadm_config(self.work, kubelet_config))
+        config.write_text(_kubeadm_config(self.work, kubelet_config, f"v{self.version}", cert_sans))
         self.kubeadm("init", "phase", "certs", "all", f"--config={config}")
         for kind in ("super-admin", "controller-manager"):
             self.kubeadm(
@@ -267,9 +295,9 @@ class ControlPlane:
         self.admin_kubeconfig.chmod(0o600)
 
         self._spawn("etcd", _etcd_argv(self.work))
-        self._spawn("kube-apiserver", _apiserver_argv(self.work))
+        self._spawn("kube-apiserver", _apiserver_argv(self.work, self.bin_dir))
         self.wait_for("kube-apiserver /readyz", self._ready, timeout=_START_TIMEOUT)
-        self._spawn("kube-controller-manager", _controller_manager_argv(self.work))
+        self._spawn("kube-controller-manager", _controller_manager_argv(self.work, self.bin_dir))
         k = f"--kubeconfig={self.ns_admin_kubeconfig}"
         self.kubeadm("init", "phase", "bootstrap-token", f"--config={config}", k)
         self.kubeadm("init", "phase", "upload-config", "all", f"--config={config}", k)
@@ -378,7 +406,7 @@ class ControlPlane:
         """The real kubectl on the host, through the forwarder."""
         kc = kubeconfig if kubeconfig is not None else self.admin_kubeconfig
         return run(
-            [binary("kubectl"), f"--kubeconfig={kc}", "--request-timeout=30s", *args],
+            [self.bin_dir / "kubectl", f"--kubeconfig={kc}", "--request-timeout=30s", *args],
             input=input,
             check=check,
             timeout=60,
@@ -392,7 +420,7 @@ class ControlPlane:
 
     def kubeadm(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """The real kubeadm inside the control plane's namespace."""
-        return run([binary("kubeadm"), *args], netns=self.ns.name, check=check, timeout=120)
+        return run([self.bin_dir / "kubeadm", *args], netns=self.ns.name, check=check, timeout=120)
 
     def request(
         self, method: str, path: str, *, bearer: str | None = None, body: dict[str, Any] | None = None

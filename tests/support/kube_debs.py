@@ -4,6 +4,7 @@ Public API::
 
     KUBE_PEER_VERSION = "1.36.3"
     kube_binaries(version: str) -> Path          # a bin folder with kubeadm, kubelet and kubectl for version
+    control_plane_binaries(version: str) -> Path # ... and kube-apiserver, kube-controller-manager (make cluster)
     crictl_binary(version: str) -> Path          # crictl for cri-tools version (e.g. "1.36.0")
     package_files(package, version, *, real) -> dict[str, Content]   # path -> bytes, a host file (Path) or a Link
 
@@ -174,6 +175,21 @@ def kube_binaries(version: str) -> Path:
         "kube-stamped",
         version,
         KUBE_TOOLS,
+        _stamp_flags(version),
+        ["kubeadm", "version", "-o", "short"],
+    )
+
+
+def control_plane_binaries(version: str) -> Path:
+    """kube-apiserver, kube-controller-manager, kubeadm and kubectl for ``version`` (a stamped re-link unless
+    it is the peers' own 1.36.3): a control plane that says ``version`` (tests/support/control_plane.py)."""
+    if version == KUBE_PEER_VERSION:
+        return bin_dir("kube")
+    return _stamped(
+        "kube",
+        "kube-cp-stamped",
+        version,
+        ("kube-apiserver", "kube-controller-manager", *KUBE_TOOLS),
         _stamp_flags(version),
         ["kubeadm", "version", "-o", "short"],
     )

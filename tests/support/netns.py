@@ -9,6 +9,7 @@ Public API::
         @classmethod
         def create(cls, prefix: str = "ntk8s") -> NetNamespace
         def delete(self) -> None
+        def socket(family=AF_INET, kind=SOCK_STREAM) -> socket.socket   # a socket of the namespace
 
 kubeadm refuses to advertise a loopback address (``unable to select an IP from lo network interface``)
 and kube-apiserver refuses one for its own Endpoints, so the control plane runs in a namespace whose
@@ -19,14 +20,52 @@ interfaces, routes and sysctls are never touched; nothing in the namespace has a
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
+import socket as socketlib
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from tests.support.peers import run
 
 ADDRESS = "10.255.255.1"
+CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
+
+
+def inside(path: Path, call: Callable[[], T]) -> T:
+    """``call()`` on a thread of its own that has entered the network namespace at ``path`` (setns(2)).
+
+    A socket made there belongs to that namespace for good, whichever thread uses it afterwards: this is
+    how a test serves inside the namespace without a process of its own. The thread ends with the call,
+    so nothing else of this process ever runs inside."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                if libc.setns(fd, CLONE_NEWNET) != 0:
+                    errno = ctypes.get_errno()
+                    raise OSError(errno, f"setns({path}): {os.strerror(errno)}")
+            finally:
+                os.close(fd)
+            result.append(call())
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=body, name=f"netns {path.name}")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 class NetNamespace:
@@ -55,6 +94,14 @@ class NetNamespace:
     def delete(self) -> None:
         if self.path.exists():
             run(["ip", "netns", "delete", self.name], check=False)
+
+    def socket(
+        self,
+        family: socketlib.AddressFamily = socketlib.AF_INET,
+        kind: socketlib.SocketKind = socketlib.SOCK_STREAM,
+    ) -> socketlib.socket:
+        """A new socket of this namespace: bind, listen on or connect it from any thread."""
+        return inside(self.path, lambda: socketlib.socket(family, kind))
 
     def __enter__(self) -> NetNamespace:
         return self

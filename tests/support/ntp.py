@@ -5,7 +5,7 @@ Public API::
     class NtpServer:                       # a context manager too
         port: int                          # UDP, on 127.0.0.1
         @classmethod
-        def start(cls, work: Path) -> NtpServer
+        def start(cls, work: Path, *, ns=None, port=0) -> NtpServer   # ns: inside a network namespace
         def query() -> float               # one SNTP request: the server's transmit time (Unix seconds)
         def stop() -> None
 
@@ -13,8 +13,9 @@ Racks get their time from the site's NTP servers, which the node-pool release na
 the VM tier give the node one on the host: chronyd 4.3 from Debian's ``chrony`` package, unpacked into
 ``.cache/chrony-deb`` and never installed (installing it would replace the host's own time service),
 started with ``-x`` (it never adjusts the host's clock) as a ``local stratum 8`` server bound to
-127.0.0.1 on a free port, answering 127.0.0.1 only. The node reaches it through the demo's relay
-(``scripts/demo_guest.py``: the guest's UDP 127.0.0.1:123 carried over the one guest forward).
+127.0.0.1 on a free port, answering 127.0.0.1 only. The boot test's node reaches it through the relay
+(``imagebuilder/guest/relay.py``: the guest's UDP 127.0.0.1:123 carried over the one guest forward); a
+rack's servers (tests/support/rack.py) reach it on port 123 of the rack's namespace as ``10.0.2.2``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from tests.support.netns import NetNamespace
 from tests.support.peers import ROOT, PeerError, log_tail, run, spawn, stop
 
 CACHE = ROOT / ".cache" / "chrony-deb"
@@ -60,9 +62,12 @@ def _free_udp_port() -> int:
         return port
 
 
-def sntp_query(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> float:
-    """One SNTP (RFC 4330) client request; the server's transmit timestamp as Unix seconds."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+def sntp_query(
+    port: int, host: str = "127.0.0.1", timeout: float = 2.0, sock: socket.socket | None = None
+) -> float:
+    """One SNTP (RFC 4330) client request; the server's transmit timestamp as Unix seconds.
+    ``sock``: the UDP socket to send it from (one of a network namespace), closed afterwards."""
+    with sock if sock is not None else socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.settimeout(timeout)
         s.sendto(b"\x23" + 47 * b"\0", (host, port))  # LI 0, version 4, mode 3 (client)
         data, _ = s.recvfrom(512)
@@ -73,15 +78,17 @@ def sntp_query(port: int, host: str = "127.0.0.1", timeout: float = 2.0) -> floa
 
 
 class NtpServer:
-    def __init__(self, work: Path, port: int) -> None:
+    def __init__(self, work: Path, port: int, ns: NetNamespace | None = None) -> None:
         self.work = work
         self.port = port
+        self.ns = ns
         self._proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def start(cls, work: Path) -> NtpServer:
+    def start(cls, work: Path, *, ns: NetNamespace | None = None, port: int = 0) -> NtpServer:
+        """chronyd on 127.0.0.1:``port`` (0: a free one), or inside ``ns`` (a rack's site NTP server)."""
         work.mkdir(parents=True, exist_ok=True)
-        server = cls(work, _free_udp_port())
+        server = cls(work, port or _free_udp_port(), ns)
         conf = work / "chrony.conf"
         conf.write_text(
             "# The demo's site NTP server (tests/support/ntp.py): serves, never sets the host clock (-x).\n"
@@ -89,7 +96,9 @@ class NtpServer:
             f"pidfile {work / 'chronyd.pid'}\n"
         )
         log = work / "chronyd.log"
-        server._proc = spawn([chronyd(), "-x", "-d", "-f", conf, "-u", "root"], log_path=log)
+        server._proc = spawn(
+            [chronyd(), "-x", "-d", "-f", conf, "-u", "root"], log_path=log, netns=ns.name if ns else None
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -104,6 +113,8 @@ class NtpServer:
                 time.sleep(0.2)
 
     def query(self) -> float:
+        if self.ns is not None:
+            return sntp_query(self.port, sock=self.ns.socket(socket.AF_INET, socket.SOCK_DGRAM))
         return sntp_query(self.port)
 
     def stop(self) -> None:

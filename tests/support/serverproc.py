@@ -22,13 +22,18 @@ class ServerProcess:
         *,
         log: Path | None = None,
         nofile: int | None = None,
+        netns: str | None = None,
     ) -> None:
+        """``netns``: run inside ``/run/netns/<netns>`` (``nsenter --net``): a rack's server (tests/support/rack.py)."""
         if config is not None:
             path.write_text(json.dumps(config, indent=2))
         self.path = path
         self._log = log.open("w") if log is not None else None
+        argv = [sys.executable, "-m", "server.cli", "run", "--config", str(path)]
+        if netns is not None:
+            argv = ["nsenter", f"--net=/run/netns/{netns}", "--", *argv]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "server.cli", "run", "--config", str(path)],
+            argv,
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=self._log if self._log is not None else subprocess.DEVNULL,
