@@ -1,29 +1,26 @@
-"""``make demo``: a node image built, booted with a TPM, attested, checked and joined, printing each step.
-
-The default chain (docs/demo.md):
+"""``make demo``: a node image built, then a racked server provisioned with it, attested, checked and joined
+to a real cluster, printing each step (docs/demo.md).
 
 1. the image: ``imagebuilder lock`` and ``build`` of ``examples/fixture-node.yaml`` (the fixture
    installer ISO and the stand-in payloads, served on the loopback), or of
-   ``examples/ubuntu-2404-node.yaml`` when ``UBUNTU_ISO`` names the Ubuntu 24.04 server ISO;
-   ``--image FOLDER`` boots an image already built instead;
-2. a TPM: an swtpm state manufactured on the host with an EK certificate from a local EK CA;
-3. the server: ``nodeserver`` on 127.0.0.1, a fresh trust domain trusting that EK CA, with a
-   CPU node pool, a stand-in cluster CA and the ``file`` bootstrap-token backend;
-4. the node: the image booted under libvirt with that TPM and a NoCloud seed that configures
-   the agent; the guest reaches the server only through ``10.0.2.100:8080``, one QEMU character
-   device to a relay on the host's loopback that carries each of the guest's connections to the
-   server's attest or join port and nowhere else (user-mode networking, ``restrict=on``). Inside,
-   ``scripts/demo_guest.py`` reports each step on the VM's data port: the agent attests, runs
-   its checks against the CPU pool, and ``nodeagent.service`` gets join credentials and runs
-   ``kubeadm join`` (a stand-in that checks and records the JoinConfiguration: no cluster can
-   run here); then the VM powers off;
-5. the token as the file backend wrote it (its secret redacted here), the server's audit lines,
-   and the host's verdict: read from the server's audit log and token folder, not the console.
+   ``examples/ubuntu-2404-node.yaml`` when ``UBUNTU_ISO`` names the Ubuntu 24.04 server ISO, signed with
+   a build key made for the demo; ``--image FOLDER --build-key PUB`` takes a signed build instead;
+2. the rack (scripts/demo_rack.py): a network namespace with a real control plane, ``nodeserver``, the
+   site NTP server and the release server;
+3. the release set: ``imagebuilder release`` of the build for the ``cpu`` pool;
+4. the server: a VM with UEFI firmware and a TPM whose EK certificate comes from a local EK CA;
+5. with ``--ipxe``: iPXE -> the imager writes the verified image to the disk the release's hint names ->
+   the firmware boots the boot entry it created (without: the image is the server's disk, the pool's
+   cloud-init beside it);
+6. the first boot: cloud-init writes the pool's configuration, ``nodeagent`` attests, checks, quotes the
+   boot, joins with the real kubeadm, and the Node becomes Ready with the pool's labels and taint;
+7. the server powered off and its disk read; 8. the verdict, from the server's audit log, the API server
+   and the node's disk.
 
-``--host-only`` runs the same agent steps on the host against the swtpm socket, without an
-image or a VM (seconds instead of minutes). Everything runs from a temporary folder under
-/var/tmp and is stopped and removed at the end (``--keep`` keeps the folder), even on failure,
-Ctrl-C or SIGTERM; libvirtd/virtlogd are started if they are not running, and then stopped.
+``--host-only`` runs the agent's steps on the host against the swtpm socket, without an image or a VM
+(seconds instead of minutes). Everything runs from a temporary folder under /var/tmp and is stopped and
+removed at the end (``--keep`` keeps the folder), even on failure, Ctrl-C or SIGTERM; libvirtd/virtlogd
+are started for the image build if they are not running, and then stopped.
 """
 
 from __future__ import annotations
@@ -32,8 +29,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
-import secrets
 import signal
 import subprocess
 import sys
@@ -45,20 +40,12 @@ from types import FrameType
 from typing import Any
 
 from demo_common import (
-    NODE_NAME,
     ROOT,
-    TRUST_DOMAIN,
-    VM_POOL,
+    WAITED,
     DemoError,
     demo_kubernetes_version,
-    leaked_tokens,
-    pool_profile_text,
-    say,
-    server_config,
-    show_measured_boot,
-    show_token_and_audit,
     step,
-    token_secrets,
+    wait_for_other_vms,
 )
 from demo_host import host_chain
 
@@ -66,25 +53,6 @@ FIXTURE_DEFINITION = ROOT / "examples" / "fixture-node.yaml"
 UBUNTU_DEFINITION = ROOT / "examples" / "ubuntu-2404-node.yaml"
 # The VM tier's download cache: offline, the fixture build only works from what it holds.
 DEFAULT_CACHE = ROOT / ".cache" / "imagebuilder-vm-tests"
-GUEST_ATTEST_PORT, GUEST_JOIN_PORT = 8081, 8082  # the guest relay's ports on the node's loopback
-GUEST_NTP_PORT = 123  # UDP: the site NTP server (chronyd on the host), through the same relay
-TIMESYNCD_DROP_IN = "/etc/systemd/timesyncd.conf.d/50-nodetrust.conf"  # nodespec.RELEASE_TIME_SERVERS
-TIME_SYNC_S = 180  # how long the node waits for its clock to synchronise before its checks
-GUEST_FORWARD = "10.0.2.100:8080"  # imagebuilder.domain.GUEST_FORWARD: the one stream to the host
-SEED_DIR = "/run/nodetrust-demo"
-VENV_PYTHON = "/opt/nodeagent/venv/bin/python3"
-KUBEADM_STAND_IN = "/usr/local/sbin/nodetrust-demo-kubeadm"  # /run is mounted noexec
-OTHER_VM_WAIT_S = 1800
-VM_IDLE_S, VM_TOTAL_S = 600, 1500
-CONSOLE_MILESTONES = re.compile(
-    r"Linux version|Reached target (Basic System|Multi-User|Cloud-init)|Cloud-init v\. \S+ (running|finished)"
-    r"|Power-Off|reboot: Power down"
-)
-# The boot loader or the kernel gave up: no point waiting for the idle limit.
-BOOT_FAILURE = re.compile(
-    r"grub rescue>|^error: invalid arch-independent ELF magic|Kernel panic - not syncing"
-)
-ESC = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 # -- the VM chain: services, image, seed, boot ------------------------------------------------------
@@ -148,42 +116,6 @@ def libvirt_services(work: Path) -> Iterator[None]:
                     proc.kill()
                     proc.wait()
             print(f"  stopped {name} (pid {proc.pid}), which the demo started")
-
-
-WAITED = [0.0]  # seconds spent waiting for other VMs (not the demo's own time)
-
-
-def _alive(pid: str) -> bool:
-    """Not a zombie (an exited QEMU its parent has not reaped yet still matches ``pgrep``)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def wait_for_other_vms() -> None:
-    """One VM at a time on this machine: wait while another QEMU runs."""
-    began = time.monotonic()
-    deadline, said = began + OTHER_VM_WAIT_S, False
-    while True:
-        found = subprocess.run(["pgrep", "-f", "qemu-system"], capture_output=True, text=True, check=False)  # noqa: S607
-        others = [
-            pid for pid in found.stdout.split() if pid.strip() and int(pid) != os.getpid() and _alive(pid)
-        ]
-        if not others:
-            WAITED[0] += time.monotonic() - began
-            return
-        if time.monotonic() > deadline:
-            raise DemoError(
-                f"another VM (qemu pids {', '.join(others)}) ran for {OTHER_VM_WAIT_S} s: retry later"
-            )
-        if not said:
-            print(
-                f"  another VM is running (qemu pids {', '.join(others)}): waiting for it to finish",
-                flush=True,
-            )
-            said = True
-        time.sleep(10)
 
 
 def _definition_variant(example: Path, out: Path, iso_url: str | None) -> Path:
@@ -255,7 +187,9 @@ def imagebuilder_cmd(args: list[str], env: dict[str, str]) -> str:
     return last
 
 
-def build_image(work: Path, stack: contextlib.ExitStack, cache: Path, ubuntu_iso: str | None) -> Path:
+def build_image(
+    work: Path, stack: contextlib.ExitStack, cache: Path, ubuntu_iso: str | None, *, key: Path
+) -> Path:
     env = {**os.environ, "PATH": f"{ROOT / '.venv' / 'bin'}:{os.environ.get('PATH', '')}"}
     if ubuntu_iso:
         iso = check_ubuntu_iso(ubuntu_iso)
@@ -263,20 +197,27 @@ def build_image(work: Path, stack: contextlib.ExitStack, cache: Path, ubuntu_iso
         definition = _definition_variant(UBUNTU_DEFINITION, work / "ubuntu-2404-node.yaml", f"file://{iso}")
     else:
         from fixtures.installer.build import build_installer_iso
-        from tests.support.payload_server import PayloadServer, build_payloads
+        from tests.support.payload_server import REAL_PAYLOADS, PayloadServer, build_payloads
 
         print("  no UBUNTU_ISO: the fixture image (a Debian-based fixture installer stands in for Ubuntu's)")
-        fixture_iso = build_installer_iso().iso
+        built = build_installer_iso()
+        fixture_iso = built.iso
         print(f"  fixture installer ISO: {fixture_iso}")
-        payloads = PayloadServer(build_payloads(ROOT / ".cache" / "imagebuilder-payloads"))
+        # the real kubeadm, kubelet and kubectl (make peers) in the Kubernetes packages: the node joins a real cluster
+        root = build_payloads(
+            REAL_PAYLOADS, real_kubernetes=True, kernel=str(built.manifest.get("kernel") or "")
+        )
+        payloads = PayloadServer(root)
         stack.callback(payloads.close)
-        print(f"  stand-in payloads served at {payloads.url}")
+        print(
+            f"  the payloads (real Kubernetes binaries from make peers, stand-ins for the rest) at {payloads.url}"
+        )
         env.update(IMAGEBUILDER_FIXTURE_ISO=str(fixture_iso), IMAGEBUILDER_PAYLOADS=payloads.url)
         definition = _definition_variant(FIXTURE_DEFINITION, work / "fixture-node.yaml", None)
     lock = work / (definition.stem + ".lock.json")
     imagebuilder_cmd(["lock", str(definition), "--lock", str(lock), "--cache-dir", str(cache)], env)
     build = ["build", str(definition), "--lock", str(lock), "--cache-dir", str(cache),
-             "--out", str(work / "out"), "--work-dir", str(work)]  # fmt: skip
+             "--out", str(work / "out"), "--work-dir", str(work), "--key", str(key)]  # fmt: skip
     helptext = subprocess.run(
         [sys.executable, "-m", "imagebuilder.cli", "build", "--help"], cwd=ROOT, env=env,
         capture_output=True, text=True, check=False,
@@ -301,341 +242,60 @@ def image_of(folder: Path) -> tuple[Path, dict[str, Any]]:
     return images[0], json.loads(manifest.read_text())
 
 
-def user_data(*, bundle: bytes, kubeadm_path: str) -> str:
-    import yaml
-
-    from imagebuilder import nodespec
-    from imagebuilder.guest import relay
-
-    seed = SEED_DIR
-    config = {
-        "server": f"127.0.0.1:{GUEST_ATTEST_PORT}",
-        "join_server": f"127.0.0.1:{GUEST_JOIN_PORT}",
-        "trust_domain": TRUST_DOMAIN,
-        "bundle": "/etc/nodeagent/bundle.pem",
-        "tcti": "device:/dev/tpmrm0",
-        "require_ek_cert": True,
-        "pool": "cpu",
-        "pool_profile": "/etc/nodeagent/pool.yaml",
-        "node_name": NODE_NAME,
-        "kubeadm": kubeadm_path,
-        "deadline_s": 900.0,  # under TCG the staged version's packages take minutes to install
-    }
-    demo = {
-        "server": config["server"],
-        "trust_domain": TRUST_DOMAIN,
-        "time_sync_s": TIME_SYNC_S,
-    }
-
-    def file(path: str, content: str, mode: str = "0600") -> dict[str, str]:
-        return {"path": path, "owner": "root:root", "permissions": mode, "content": content}
-
-    cloud = {
-        # The relay to the host (the servers and the site NTP server, chronyd on the host) starts first: the
-        # image enables systemd-time-wait-sync (the agent must not run on a wrong clock), so the boot waits
-        # until the node's clock is set from the release's NTP server, as a racked node's does.
-        "bootcmd": [
-            relay.bootcmd(
-                GUEST_FORWARD, [GUEST_ATTEST_PORT, GUEST_JOIN_PORT], [GUEST_NTP_PORT], default_route=True
-            )
-        ],
-        "write_files": [
-            file(f"{seed}/guest.py", (ROOT / "scripts" / "demo_guest.py").read_text(), "0700"),
-            file(kubeadm_path, f'#!/bin/sh\nexec {VENV_PYTHON} {seed}/guest.py kubeadm "$@"\n', "0700"),
-            file(f"{seed}/demo.json", json.dumps(demo) + "\n"),
-            file(f"{seed}/config.yaml", yaml.safe_dump(config, sort_keys=False)),
-            file(f"{seed}/bundle.pem", bundle.decode()),
-            file(f"{seed}/pool.yaml", pool_profile_text(VM_POOL)),
-            # the site NTP server, as a node-pool release names it (imagebuilder.release.cloudinit.TIMESYNCD)
-            file(
-                TIMESYNCD_DROP_IN, nodespec.time_servers_file("systemd-timesyncd", ["127.0.0.1"])[1], "0644"
-            ),
-        ],
-        "runcmd": [[VENV_PYTHON, f"{seed}/guest.py", "run", seed]],
-    }
-    return "#cloud-config\n" + yaml.safe_dump(cloud, sort_keys=False)
-
-
-class GuestSteps:
-    """Prints the guest's ``NODETRUST-DEMO`` lines from the data port as they arrive."""
-
-    TITLES = {
-        1: "The node booted with the host's TPM; nodeagent.service ran once, unconfigured",
-        2: "cloud-init's seed configures the agent (/etc/nodeagent)",
-        3: "The agent attests the TPM to the server on the host and receives its X509-SVID",
-        4: "The agent checks the GPUs and the node against the CPU pool",
-        5: "nodeagent.service (nodeagent run): join credentials over mutual TLS, then kubeadm join",
-        6: "What the image's kubeadm (the demo's stand-in) received",
-        7: "nodeagent status",
-    }
-
-    def __init__(self, first: int) -> None:
-        self.first = first
-        self.entries: list[dict[str, Any]] = []
-        self.done: dict[str, Any] | None = None
-
-    def on_console(self, line: str) -> None:
-        line = ESC.sub("", line).strip()
-        if BOOT_FAILURE.search(line):
-            raise DemoError(
-                f"the image does not boot: its console says {line[:200]!r}; rebuild it "
-                "(without --no-test, `imagebuilder build` boot-tests the image before publishing it)"
-            )
-        if CONSOLE_MILESTONES.search(line):
-            print(f"  [console] {line[:160]}", flush=True)
-
-    def on_data(self, line: str) -> bool:
-        _, mark, payload = line.partition("NODETRUST-DEMO ")
-        if not mark:
-            return False
-        try:
-            entry = json.loads(payload)
-        except ValueError:
-            print(f"  [data port] unreadable: {line[:200]}")
-            return False
-        if entry.get("done"):
-            self.done = entry
-            return True
-        self.entries.append(entry)
-        n = int(entry.get("step", 0))
-        title = self.TITLES.get(n, str(entry.get("name")))
-        step(f"{self.first}.{n}" if n else "!", f"{title}{'' if entry.get('ok') else '  -- FAILED'}")
-        if entry.get("name") == "kubeadm":
-            import yaml
-
-            for call in entry.get("calls", []):
-                print(
-                    f"  kubeadm {' '.join(call['argv'])}  (file mode {call['mode']}, valid: {call['valid']})"
-                )
-                packages = ", ".join(f"{n} {v}" for n, v in sorted((call.get("packages") or {}).items()))
-                print(
-                    f"  beside it: {call.get('kubelet_version')} ({packages}; held: {', '.join(call.get('held') or [])})"
-                )
-                for error in call.get("errors", []):
-                    print(f"    error: {error}")
-                if call.get("config"):
-                    say(yaml.safe_dump(call["config"], sort_keys=False), "    ")
-        elif entry.get("name") == "check":
-            say("\n".join(str(entry.get("output", "")).splitlines()[-16:]))
-        else:
-            say(str(entry.get("output", "")))
-        return False
-
-
-def validate_join_configuration(config: dict[str, Any]) -> list[str]:
-    """The recorded (redacted) JoinConfiguration against kubeadm's v1beta4 schema."""
-    import jsonschema
-
-    from tests.support.kubeadm_double import SCHEMA
-
-    doc = json.loads(json.dumps(config).replace("<redacted>", "0" * 16))  # a well-formed placeholder secret
-    validator = jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text()))
-    return [
-        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(doc)
-    ]
-
-
-def verdict(
-    work: Path, audit: list[dict[str, Any]], guest: GuestSteps, logs: list[Path], *, kubernetes_version: str
-) -> list[str]:
-    """What went wrong, from the server's own records first; empty when the whole chain happened."""
-    problems = []
-    attests = [e for e in audit if e.get("event") == "attest"]
-    joins = [e for e in audit if e.get("event") == "join"]
-    if not any(e.get("result") == "ok" and e.get("ek_trust") == "ca" for e in attests):
-        problems.append("the server's audit log has no successful attestation with a CA-trusted EK")
-    if not any(
-        e.get("result") == "ok" and e.get("node_name") == NODE_NAME and e.get("pool") == "cpu" for e in joins
-    ):
-        problems.append(f"the server's audit log has no successful join of {NODE_NAME} in the cpu pool")
-    if bad := [e for e in audit if e.get("result") != "ok"]:
-        problems.append(f"{len(bad)} audit line(s) are not ok: {bad}")
-    token_ids = {e.get("token_id") for e in joins if e.get("result") == "ok"}
-    revoked = {
-        e.get("token_id") for e in audit if e.get("event") == "joined" and e.get("token_revoked") is True
-    }
-    manifests = {
-        p.stem.removeprefix("bootstrap-token-") for p in (work / "server" / "tokens").glob("*.yaml")
-    }
-    if not token_ids or not token_ids <= revoked or token_ids & manifests:
-        problems.append(
-            f"the audit log issued tokens {sorted(map(str, token_ids))} and revoked {sorted(map(str, revoked))}; "
-            f"the token folder still has {sorted(manifests)}: the node's report must revoke the token it used"
-        )
-    by_step = {e.get("name"): e for e in guest.entries}
-    for name in ("attest", "check", "join", "kubeadm"):
-        if not (by_step.get(name) or {}).get("ok"):
-            problems.append(f"the node's {name} step did not succeed (see above)")
-    calls = (by_step.get("kubeadm") or {}).get("calls") or []
-    if calls and calls[-1].get("config"):
-        config = calls[-1]["config"]
-        problems += [f"JoinConfiguration: {e}" for e in validate_join_configuration(config)]
-        token_id = str(config.get("discovery", {}).get("bootstrapToken", {}).get("token", "")).partition(
-            "."
-        )[0]
-        if token_id not in token_ids:
-            problems.append(
-                f"kubeadm received token {token_id}, the server issued {sorted(map(str, token_ids))}"
-            )
-    if calls:
-        # the join answer's version was the installed one when kubeadm ran (agent.kubeversion)
-        running = calls[-1].get("kubelet_version")
-        if running != f"Kubernetes v{kubernetes_version}":
-            problems.append(f"kubeadm ran beside kubelet {running!r}, not the pool's v{kubernetes_version}")
-        packages = calls[-1].get("packages") or {}
-        wrong = {n: v for n, v in packages.items() if not str(v).startswith(f"{kubernetes_version}-")}
-        if set(packages) != {"kubeadm", "kubelet", "kubectl"} or wrong:
-            problems.append(f"the installed Kubernetes packages are {packages}, not {kubernetes_version}")
-        if not {"kubeadm", "kubelet", "kubectl"} <= set(calls[-1].get("held") or []):
-            problems.append(f"the Kubernetes packages are not all held: {calls[-1].get('held')}")
-    if guest.done is None or not guest.done.get("ok"):
-        problems.append("the node did not report the chain as complete")
-    # the secrets themselves are gone with their revoked manifests: a token of this id in any form but
-    # the redacted one is a leaked secret
-    for log in logs:
-        text = log.read_text(errors="replace") if log.exists() else ""
-        for secret in [*token_secrets(work), *leaked_tokens(text, token_ids)]:
-            if secret in text:
-                problems.append(f"a join token's secret appears in {log}: it must never be logged")
-    return problems
-
-
 def vm_chain(work: Path, args: argparse.Namespace) -> int:
-    from imagebuilder.bootvm import BootSpec, BootVm
-    from imagebuilder.media import make_seed
-    from tests.support.serverproc import ServerProcess
-    from tests.support.swtpm import LocalCa, manufacture
+    from demo_rack import rack_chain
 
-    with contextlib.ExitStack() as stack:
-        step(0, "Services: libvirtd and virtlogd")
-        stack.enter_context(libvirt_services(work))
-        if args.image:
-            step(1, f"The image: {args.image} (--image, not built)")
-            folder = Path(args.image).resolve()
-        else:
-            step(
-                1,
-                "The image: imagebuilder lock and build (about 4 minutes here under TCG, less on a cached base)",
+    if args.image:
+        step(1, f"The image: {args.image} (--image, not built)")
+        folder = Path(args.image).resolve()
+        if not args.build_key:
+            raise DemoError(
+                "--image needs --build-key PUB: the public key the build was signed with "
+                "(`imagebuilder build --key KEY`); the release verifies the build with it first"
             )
+        build_pub = Path(args.build_key).resolve()
+    else:
+        from imagebuilder.sign import generate_keypair
+
+        private, public = generate_keypair("ecdsa-p256")
+        (work / "build.key").write_bytes(private)
+        (work / "build.key").chmod(0o600)
+        build_pub = work / "build.pub"
+        build_pub.write_bytes(public)
+        with contextlib.ExitStack() as stack:
+            step(0, "Services: libvirtd and virtlogd, for the image builder's VMs")
+            stack.enter_context(libvirt_services(work))
+            step(1, "The image: imagebuilder lock and build, signed with a build key made for the demo")
             started = time.monotonic()
-            folder = build_image(work, stack, Path(args.cache_dir), args.ubuntu_iso)
+            folder = build_image(work, stack, Path(args.cache_dir), args.ubuntu_iso, key=work / "build.key")
             print(f"  built {folder} in {time.monotonic() - started:.0f} s")
-        image, manifest = image_of(folder)
-        kube = manifest.get("kubernetes") or {}
-        version = args.kubernetes_version or demo_kubernetes_version(kube)
-        accel = args.accel or str((manifest.get("accelerator") or {}).get("name") or "tcg")
-        print(f"  {image.name}: {manifest.get('name')} {manifest.get('build_id')}, {manifest.get('architecture')}; "
-              f"booting it under {accel} (what its build used; --accel overrides)")  # fmt: skip
-
-        step(2, f"A TPM for the node: an swtpm state with an EK certificate from a local EK CA (in {work})")
-        ca = LocalCa(work / "ek-ca")
-        (work / "ek-ca").chmod(0o700)
-        manufacture(work / "tpm", ca)
-        (work / "tpm").chmod(0o700)
-        print(f"  manufactured {work / 'tpm'}; QEMU reaches it through swtpm's socket only")
-
-        step(
-            3,
-            f"The server on the host: a fresh trust domain {TRUST_DOMAIN}, trusting that EK CA, with a CPU pool",
+    if not (folder / "signature.dsse.json").is_file():
+        raise DemoError(
+            f"{folder} is not signed: build it with `imagebuilder build --key KEY` (the release verifies it)"
         )
-        ca.install_into(work / "server" / "ek-ca")
-        config = work / "server" / "config.yaml"
-        measured = (
-            folder / "boot-measurements.json"
-        )  # the build's prediction: the pool admits only that boot
-        config.write_text(
-            json.dumps(
-                server_config(
-                    work, measured if measured.is_file() else None, kubernetes_version=version, pool=VM_POOL
-                ),
-                indent=2,
-            )
-        )
-        staged = ", ".join(map(str, kube.get("staged") or [])) or "none"
-        switch = (
-            "the agent installs its staged packages and holds them before kubeadm join"
-            if version != kube.get("installed")
-            else "the image's installed version"
-        )
-        print(f"  the cluster runs Kubernetes v{version}; the image installs {kube.get('installed')} and stages "
-              f"{staged}: {switch}")  # fmt: skip
-        print(f"  $ server.cli run --config {config}")
-        server = stack.enter_context(ServerProcess(None, config, log=work / "server.log"))
-        print(f"  {server.line}")
-        from tests.support.ntp import NtpServer
-
-        ntp = stack.enter_context(NtpServer.start(work / "ntp"))
-        print(
-            f"  the site NTP server: Debian's chronyd on 127.0.0.1:{ntp.port} (it never sets this host's clock)"
-        )
-        from imagebuilder.guest.relay import host_relay
-
-        ports = {GUEST_ATTEST_PORT: server.attest_port, GUEST_JOIN_PORT: server.join_port}
-        relay = stack.enter_context(host_relay(ports, {GUEST_NTP_PORT: ntp.port}))
-        print(
-            f"  the node's only route: {GUEST_FORWARD}, a QEMU character device to the relay on 127.0.0.1:{relay}"
-        )
-        for guest_port, host_port in ports.items():
-            print(f"  the node's 127.0.0.1:{guest_port} -> the relay -> 127.0.0.1:{host_port}")
-        print(f"  the node's UDP 127.0.0.1:{GUEST_NTP_PORT} -> the relay -> UDP 127.0.0.1:{ntp.port}")
-
-        step(
-            4,
-            "The node: the image booted under libvirt with that TPM and a NoCloud seed configuring the agent",
-        )
-        vmdir = work / "vm"
-        vmdir.mkdir()
-        seed = make_seed(
-            user_data(bundle=server.bundle, kubeadm_path=KUBEADM_STAND_IN),
-            f"instance-id: nodetrust-demo-{secrets.token_hex(4)}\nlocal-hostname: {NODE_NAME}\n",
-            work / "seed.iso",
-        )
-        seed.chmod(0o644)
-        spec = BootSpec(
-            image=image,
-            seed=seed,
-            accel=accel,
-            arch=str(manifest.get("architecture") or "amd64"),
-            tpm_state=work / "tpm",
-            listener_port=relay,
-        )
-        wait_for_other_vms()
-        guest = GuestSteps(4)
-        started = time.monotonic()
-        with BootVm(spec, vmdir, label="demo") as vm:
-            print(
-                f"  domain {vm.domain.name if vm.domain else '?'}; console {vm.console}; data port {vm.data}",
-                flush=True,
-            )
-            vm.follow(
-                on_console=guest.on_console,
-                on_data=guest.on_data,
-                idle_s=VM_IDLE_S,
-                total_s=VM_TOTAL_S,
-                what="the demo node",
-            )
-            vm.wait_stopped(120)
-        print(
-            f"\n  the node ran for {time.monotonic() - started:.0f} s and is powered off; its VM is removed"
-        )
-        logs = [vmdir / "console.log", vmdir / "data.log", work / "server.log"]
-        server.stop()
-
-        step(5, "The token, as the file backend wrote it for an operator to apply, and the audit trail")
-        audit = show_token_and_audit(work)
-        show_measured_boot(audit)
-        problems = verdict(work, audit, guest, logs, kubernetes_version=version)
-        if problems:
-            print("\n\033[1mdemo: FAILED\033[0m")
-            for problem in problems:
-                print(f"  - {problem}")
-            print(f"  the node's console: {vmdir / 'console.log'} (kept with --keep)")
-            return 1
-    print(
-        "\n\033[1mdemo: the node booted from the image proved its TPM identity, passed its checks, "
-        "and joined with a one-time token.\033[0m"
+    image, manifest = image_of(folder)
+    kube = manifest.get("kubernetes") or {}
+    version = args.kubernetes_version or demo_kubernetes_version(kube)
+    accel = args.accel or str((manifest.get("accelerator") or {}).get("name") or "tcg")
+    staged = ", ".join(map(str, kube.get("staged") or [])) or "none"
+    switch = (
+        "the agent installs the staged packages of that version and holds them before kubeadm join"
+        if version != kube.get("installed")
+        else "the image's installed version"
     )
-    return 0
+    print(f"  {image.name}: {manifest.get('name')} {manifest.get('build_id')}, {manifest.get('architecture')}; "
+          f"the server boots it under {accel} (what its build used; --accel overrides)")  # fmt: skip
+    print(f"  the cluster runs Kubernetes v{version}; the image installs {kube.get('installed')} and stages "
+          f"{staged}: {switch}")  # fmt: skip
+    return rack_chain(
+        work,
+        folder=folder,
+        build_pub=build_pub,
+        manifest=manifest,
+        version=version,
+        accel=accel,
+        ipxe=args.ipxe,
+    )
 
 
 def _sigterm(_signum: int, _frame: FrameType | None) -> None:
@@ -649,7 +309,14 @@ def main() -> int:
     parser.add_argument("--host-only", action="store_true",
                         help="the agent's steps on the host against swtpm: no image, no VM (seconds)")  # fmt: skip
     parser.add_argument("--image", metavar="FOLDER",
-                        help="boot this build folder (published by `imagebuilder build`) instead of building")  # fmt: skip
+                        help="boot this build folder (published and signed by `imagebuilder build --key`) instead "
+                             "of building")  # fmt: skip
+    parser.add_argument(
+        "--build-key", metavar="PUB", help="with --image: the public key its build was signed with"
+    )
+    parser.add_argument("--ipxe", action="store_true",
+                        help="provision the server as a racked one: iPXE -> the imager writes the verified image to "
+                             "the disk the release's hint names -> the firmware boots the new entry")  # fmt: skip
     parser.add_argument("--tampered-boot", action="store_true",
                         help="with --host-only: then reboot into another command line; the re-check is refused")  # fmt: skip
     parser.add_argument("--keep", action="store_true",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,45 @@ def pool_profile_text(pool: dict[str, Any]) -> str:
 
 class DemoError(Exception):
     """A step failed; the message says which and what to do."""
+
+
+OTHER_VM_WAIT_S = 1800
+
+
+WAITED = [0.0]  # seconds spent waiting for other VMs (not the demo's own time)
+
+
+def _alive(pid: str) -> bool:
+    """Not a zombie (an exited QEMU its parent has not reaped yet still matches ``pgrep``)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_for_other_vms() -> None:
+    """One VM at a time on this machine: wait while another QEMU runs."""
+    began = time.monotonic()
+    deadline, said = began + OTHER_VM_WAIT_S, False
+    while True:
+        found = subprocess.run(["pgrep", "-f", "qemu-system"], capture_output=True, text=True, check=False)  # noqa: S607
+        others = [
+            pid for pid in found.stdout.split() if pid.strip() and int(pid) != os.getpid() and _alive(pid)
+        ]
+        if not others:
+            WAITED[0] += time.monotonic() - began
+            return
+        if time.monotonic() > deadline:
+            raise DemoError(
+                f"another VM (qemu pids {', '.join(others)}) ran for {OTHER_VM_WAIT_S} s: retry later"
+            )
+        if not said:
+            print(
+                f"  another VM is running (qemu pids {', '.join(others)}): waiting for it to finish",
+                flush=True,
+            )
+            said = True
+        time.sleep(10)
 
 
 def step(n: int | str, text: str) -> None:

@@ -13,7 +13,6 @@ the CIDATA seed read back by mtools), the other disk left blank, the boot entry 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -39,40 +38,15 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(1800)]
 OVMF_CODE, OVMF_VARS = Path("/usr/share/OVMF/OVMF_CODE_4M.fd"), Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
 ROM = Path("/usr/lib/ipxe/qemu/efi-virtio.rom")
 GUEST_HOST = "10.0.2.100"
-CACHE = REPO / ".cache" / "imager-bootenv"
 TARGET, OTHER = "TARGET0001", "OTHER0002"
-
-
-def _inputs_key(lock: Path) -> str:
-    digest = hashlib.sha256(lock.read_bytes())
-    for folder in ("imager", "protocol", "imagebuilder/bootenv"):
-        for path in sorted((REPO / folder).rglob("*")):
-            if path.is_file() and "__pycache__" not in path.parts:
-                digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
 def bootenv() -> Path:
     """The imager's boot environment, locked once and built once per set of inputs (kept in .cache)."""
-    from imagebuilder.bootenv import build, lock
-    from imagebuilder.cache import Cache
-    from imagebuilder.errors import BuildError
+    from tests.support.bootenv import imager_bootenv
 
-    cache = Cache(REPO / ".cache" / "imagebuilder-vm-tests")
-    CACHE.mkdir(parents=True, exist_ok=True)
-    lock_path = CACHE / "bootenv.lock.json"
-    try:
-        lock.load(lock_path)
-    except BuildError:
-        lock.lock(cache, lock_path)
-    out = CACHE / _inputs_key(lock_path)
-    if not (out / "bootenv.json").is_file():
-        shutil.rmtree(out, ignore_errors=True)
-        started = time.monotonic()
-        build.build(lock_path, cache, out)
-        print(f"\nimager boot environment built in {time.monotonic() - started:.0f} s -> {out}")
-    return out
+    return imager_bootenv()
 
 
 @pytest.fixture
