@@ -305,10 +305,26 @@ def provision(rack: Rack, release: Path, machine: Any, *, poll: Watch) -> list[d
     events: list[dict[str, Any]] = list(rack.http.recorder.events)
     for event in events:
         print(f"  [imager event] {json.dumps(event)[:200]}")
+    (rack.work / "release-server.json").write_text(
+        json.dumps({"requests": rack.http.recorder.requests, "events": events}, indent=1) + "\n"
+    )
     if [e.get("event") for e in events][-1:] != ["done"]:
         raise DemoError(f"the imager did not finish its work: events {[e.get('event') for e in events]}")
     print(f"  provisioned in {time.monotonic() - started:.0f} s; the imager rebooted the server")
     return events
+
+
+def compare_written(image: Path, target: Path, work: Path) -> str:
+    """``qemu-img compare`` of the image's partitions with the written disk (the GPT areas at both ends are
+    rewritten when the backup table moves to the disk's end); the tool's own words, or "" when they match."""
+    from tests.support.peers import run
+
+    virtual = int(json.loads(run(["qemu-img", "info", "--output=json", image]).stdout)["virtual-size"])
+    body = f"offset={1 << 20},size={virtual - (2 << 20)}"
+    got = run(["qemu-img", "compare", "--image-opts", f"driver=raw,{body},file.driver=qcow2,file.file.filename={image}",
+               f"driver=raw,{body},file.filename={target}"], check=False, timeout=900)  # fmt: skip
+    (work / "compare.txt").write_text(f"exit {got.returncode}\n{got.stdout}{got.stderr}")
+    return "" if got.returncode == 0 else (got.stdout + got.stderr).strip()
 
 
 def first_boot(rack: Rack, machine: Any, *, poll: Watch) -> float:
@@ -565,6 +581,12 @@ def rack_chain(
             )
             events = provision(rack, release, machine, poll=poll)
             node_disk, fmt = disks[0].path, "raw"
+            differs = compare_written(image, node_disk, work)
+            if differs:
+                raise DemoError(f"the written disk is not the signed image: {differs[:600]}")
+            print(
+                f"  qemu-img compare: the image's partitions on {TARGET_SERIAL} are the signed image, byte for byte"
+            )
         else:
             from imagebuilder.media import make_seed
             from imager.seed import meta_data
@@ -585,10 +607,15 @@ def rack_chain(
 
         step(7, "The node in the cluster")
         node = _node(rack)
+        (work / "node.json").write_text(json.dumps(node, indent=1) + "\n")
         show_node(rack, node)
 
         step(8, "The node's disk, read after power-off: the agent's state, the packages, the journal")
         kept = read_node(NodeDisk.open(node_disk, fmt, vm), vm)
+        (work / "kept.json").write_text(
+            json.dumps({k: v for k, v in kept.items() if k != "journal"}, indent=1)
+        )
+        (work / "journal.txt").write_text(kept["journal"])
         state = kept.get("state") or {}
         say(
             f"/var/lib/nodeagent/state.json: step {state.get('step')}, Kubernetes {state.get('kubernetes_version')}"

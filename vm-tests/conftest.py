@@ -193,6 +193,7 @@ class Build:
     seconds: float
     stderr: str
     bases: Path | None = None  # the session's base cache (--base-cache): the installed base of this build
+    key: Path | None = None  # the public key the build folder is signed with (imagebuilder build --key)
 
 
 def domains() -> list[str]:
@@ -243,16 +244,26 @@ def incremental_build(
     assert locked.returncode == 0, f"imagebuilder lock failed:\n{locked.stderr[-5000:]}"
     out, work = base / "out", work_dir(base)
     assert full_build.bases is not None
+    from imagebuilder.sign import generate_keypair
+
+    private, public = generate_keypair(
+        "ecdsa-p256"
+    )  # signed, as the demo's release verifies the build first
+    (base / "build.key").write_bytes(private)
+    (base / "build.key").chmod(0o600)
+    (base / "build.pub").write_bytes(public)
     wait_for_other_vms()
     started = time.monotonic()
     built = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
                          "--base-cache", str(full_build.bases), "--out", str(out), "--work-dir", str(work),
-                         "--no-test")  # fmt: skip
+                         "--no-test", "--key", str(base / "build.key"))  # fmt: skip
     seconds = time.monotonic() - started
     assert built.returncode == 0, f"incremental build failed ({built.returncode}):\n{built.stderr[-8000:]}"
     folder = Path(built.stdout.strip().splitlines()[-1])
     print(f"\nincremental fixture build: {seconds:.0f} s (full: {full_build.seconds:.0f} s) -> {folder}")
     try:
-        yield Build(definition, lock, out, work, folder, seconds, built.stderr, full_build.bases)
+        yield Build(
+            definition, lock, out, work, folder, seconds, built.stderr, full_build.bases, base / "build.pub"
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,5 +1,5 @@
-"""``make demo``'s pieces that need no VM (its relay: tests/imagebuilder/test_relay.py): the seed it boots
-with, the image's kubeadm stand-in, the Ubuntu ISO check and the host's verdict."""
+"""``make demo``'s pieces that need no VM: the Ubuntu ISO check, the cluster's version, the node's disk read
+offline, the dead-boot patterns and the verdict (the whole chain: vm-tests/test_demo.py)."""
 
 from __future__ import annotations
 
@@ -10,96 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
 import demo  # noqa: E402
+import demo_rack  # noqa: E402
 from demo_common import DemoError  # noqa: E402
-
-from agent.kubeadm import join_configuration, write_join_config  # noqa: E402
-
-
-def test_the_seed_configures_the_agent_with_root_only_files_and_no_secret() -> None:
-    text = demo.user_data(bundle=b"-----BEGIN CERTIFICATE-----\nx\n-----END CERTIFICATE-----\n",
-                          kubeadm_path="/usr/local/sbin/nodetrust-demo-kubeadm")  # fmt: skip
-    assert text.startswith("#cloud-config\n")
-    cloud = yaml.safe_load(text)
-    files = {f["path"]: f for f in cloud["write_files"]}
-    # the time servers, as a node-pool release writes them (world-readable, as systemd's own drop-ins)
-    timesyncd = files.pop(demo.TIMESYNCD_DROP_IN)
-    assert (timesyncd["content"], timesyncd["permissions"]) == ("[Time]\nNTP=127.0.0.1\n", "0644")
-    assert {f["permissions"] for f in files.values()} <= {"0600", "0700"}
-    config = yaml.safe_load(files["/run/nodetrust-demo/config.yaml"]["content"])
-    assert config["server"] == "127.0.0.1:8081" and config["join_server"] == "127.0.0.1:8082"
-    assert config["tcti"] == "device:/dev/tpmrm0" and config["pool"] == "cpu"
-    from agent.config import SETTINGS
-
-    assert set(config) <= {s.key for s in SETTINGS}  # the agent refuses unknown keys
-    # the relay to the host's services starts first (bootcmd), so the boot's wait for the clock ends as a
-    # racked node's does: nothing is masked
-    (relay_start,) = cloud["bootcmd"]
-    assert relay_start[2].endswith("10.0.2.100:8080 --tcp 8081 --tcp 8082 --udp 123 --default-route")
-    assert "mask --runtime" not in text
-    assert cloud["runcmd"] == [
-        [demo.VENV_PYTHON, "/run/nodetrust-demo/guest.py", "run", "/run/nodetrust-demo"]
-    ]
-
-
-def _join_doc(**change: Any) -> dict[str, Any]:
-    inputs: dict[str, Any] = {
-        "token": "abcdef.0123456789abcdef",
-        "api_server_endpoint": "192.0.2.10:6443",
-        "ca_cert_hashes": ["sha256:" + "a" * 64],
-        "node_name": "demo-node-1",
-        "taints": [],
-        "labels": {"nodetrust.io/pool": "cpu"},
-    }
-    return join_configuration(**{**inputs, **change})
-
-
-def _stand_in(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
-    record = tmp_path / "record.jsonl"
-    code = (
-        f"import sys, pathlib; sys.path.insert(0, {str(SCRIPTS)!r}); import demo_guest;"
-        f"demo_guest.RECORD = pathlib.Path({str(record)!r}); sys.exit(demo_guest.main(sys.argv[1:]))"
-    )
-    result = subprocess.run([sys.executable, "-c", code, "kubeadm", *argv], capture_output=True, text=True,
-                            check=False, timeout=60)  # fmt: skip
-    return result, [json.loads(line) for line in record.read_text().splitlines()]
-
-
-def test_the_kubeadm_stand_in_accepts_the_agents_join_configuration_and_redacts_the_token(
-    tmp_path: Path,
-) -> None:
-    path = tmp_path / "join.yaml"
-    write_join_config(path, _join_doc())
-    result, calls = _stand_in(tmp_path, "join", "--config", str(path))
-    assert result.returncode == 0, result.stderr
-    assert "This node has joined the cluster" in result.stdout
-    assert calls[0]["valid"] and calls[0]["mode"] == "0600"
-    assert calls[0]["config"]["discovery"]["bootstrapToken"]["token"] == "abcdef.<redacted>"
-    assert "0123456789abcdef" not in json.dumps(calls)
-    assert demo.validate_join_configuration(calls[0]["config"]) == []
-
-
-def test_the_kubeadm_stand_in_refuses_what_kubeadm_would(tmp_path: Path) -> None:
-    path = tmp_path / "join.yaml"
-    write_join_config(path, _join_doc())
-    path.chmod(0o644)
-    result, calls = _stand_in(tmp_path, "join", "--config", str(path))
-    assert result.returncode == 1 and "must be 0600" in result.stderr
-    doc = _join_doc()
-    doc["discovery"]["bootstrapToken"]["caCertHashes"] = []
-    doc["nodeRegistration"]["name"] = "Not_A_Name"
-    write_join_config(path, doc)
-    result, calls = _stand_in(tmp_path, "join", "--config", str(path))
-    assert result.returncode == 1
-    assert any("caCertHashes" in e for e in calls[-1]["errors"])
-    assert any("DNS-1123" in e for e in calls[-1]["errors"])
-    result, calls = _stand_in(tmp_path, "join", "--token", "x")
-    assert result.returncode == 1 and "only takes `join --config FILE`" in result.stderr
 
 
 def test_ubuntu_iso_must_be_an_iso_9660_image(tmp_path: Path) -> None:
@@ -114,61 +31,6 @@ def test_ubuntu_iso_must_be_an_iso_9660_image(tmp_path: Path) -> None:
     assert demo.check_ubuntu_iso(str(iso)) == iso.resolve()
 
 
-def test_the_verdict_reads_the_servers_records(tmp_path: Path) -> None:
-    tokens = tmp_path / "server" / "tokens"
-    tokens.mkdir(parents=True)
-    guest = demo.GuestSteps(4)
-    for name in ("attest", "check", "join"):
-        guest.entries.append({"name": name, "ok": True})
-    config = json.loads(json.dumps(_join_doc()).replace("0123456789abcdef", "<redacted>"))
-    packages = dict.fromkeys(("kubeadm", "kubelet", "kubectl"), "1.35.3-1.1")
-    beside: dict[str, Any] = {
-        "kubelet_version": "Kubernetes v1.35.3",
-        "packages": packages,
-        "held": ["kubeadm", "kubectl", "kubelet"],
-    }
-    call = {"config": config, **beside}
-    guest.entries.append({"name": "kubeadm", "ok": True, "calls": [call]})
-    guest.done = {"done": True, "ok": True}
-
-    def verdict(logs: list[Path]) -> list[str]:
-        return demo.verdict(tmp_path, audit, guest, logs, kubernetes_version="1.35.3")
-
-    # the node says it joined, but the server issued nothing: the verdict fails
-    problems = demo.verdict(tmp_path, [], guest, [], kubernetes_version="1.35.3")
-    assert any("no successful attestation" in p for p in problems)
-    assert any("no successful join of demo-node-1" in p for p in problems)
-    audit: list[dict[str, Any]] = [
-        {"event": "attest", "result": "ok", "ek_trust": "ca"},
-        {"event": "join", "result": "ok", "node_name": "demo-node-1", "pool": "cpu", "token_id": "abcdef"},
-    ]
-    (tokens / "bootstrap-token-abcdef.yaml").write_text(
-        "stringData:\n  token-id: abcdef\n  token-secret: 0123456789abcdef\n"
-    )
-    log = tmp_path / "console.log"
-    log.write_text("nothing secret\n")
-    # issued, but never revoked by the node's report: its manifest is still in the folder
-    assert any("must revoke the token it used" in p for p in verdict([log]))
-    audit.append({"event": "joined", "result": "ok", "token_id": "abcdef", "token_revoked": True})
-    assert any("still has ['abcdef']" in p for p in verdict([log]))
-    (tokens / "bootstrap-token-abcdef.yaml").unlink()
-    assert verdict([log]) == []
-    # with the manifest gone, the token of the issued id in clear in any log is still found
-    log.write_text("oops abcdef.0123456789abcdef\n")
-    assert any("appears in" in p for p in verdict([log]))
-    log.write_text("token abcdef.<redacted>; xabcdef.0123456789abcdef0 is not it\n")
-    assert verdict([log]) == []
-    # kubeadm must have run beside the join answer's version, installed and held
-    call["kubelet_version"] = "Kubernetes v1.36.3"
-    assert any("not the pool's v1.35.3" in p for p in verdict([log]))
-    call.update(beside, packages={**packages, "kubectl": "1.36.3-1.1"})
-    assert any("not 1.35.3" in p for p in verdict([log]))
-    call.update(beside, held=["kubelet"])
-    assert any("not all held" in p for p in verdict([log]))
-    call.update(beside)
-    assert verdict([log]) == []
-
-
 def test_the_demos_control_plane_is_a_minor_behind_when_the_image_stages_one() -> None:
     from demo_common import demo_kubernetes_version
 
@@ -181,10 +43,165 @@ def test_the_demos_control_plane_is_a_minor_behind_when_the_image_stages_one() -
     assert demo_kubernetes_version({"installed": "1.36.3"}) == "1.36.3"
 
 
-def test_a_console_that_shows_a_dead_boot_stops_the_demo_at_once() -> None:
-    guest = demo.GuestSteps(4)
-    guest.on_console("[    0.000000] Linux version 6.1.0-50-amd64")
-    for line in ("\x1b[0m\x1b[37m\x1b[40merror: invalid arch-independent ELF magic.", "grub rescue> ",
+def test_a_console_that_shows_a_dead_boot_is_recognised() -> None:
+    from tests.support.rack import BOOT_FAILURE
+
+    for line in ("error: invalid arch-independent ELF magic.", "grub rescue> ",
                  "[   3.2] Kernel panic - not syncing: VFS: Unable to mount root fs"):  # fmt: skip
-        with pytest.raises(DemoError, match="the image does not boot"):
-            guest.on_console(line)
+        assert BOOT_FAILURE.search(f"[    0.000000] Linux version 6.1.0\n{line}\n"), line
+    # the firmware trying its network boot options first is no failure
+    assert not BOOT_FAILURE.search(
+        'BdsDxe: failed to load Boot0001 "UEFI PXEv4 (MAC:525400123456)": Not Found\n'
+    )
+
+
+DPKG_STATUS = """Package: kubeadm
+Status: hold ok installed
+Version: 1.35.3-1.1
+
+Package: kubelet
+Status: install ok installed
+Version: 1.35.3-1.1
+
+Package: bash
+Status: install ok installed
+Version: 5.2.15-2+b7
+"""
+
+
+@pytest.mark.subprocess  # mke2fs, sfdisk, debugfs: the node's disk read as the demo reads it
+def test_the_nodes_disk_is_read_offline(tmp_path: Path) -> None:
+    tree = tmp_path / "root"
+    (tree / "var" / "lib" / "nodeagent").mkdir(parents=True)
+    (tree / "var" / "lib" / "dpkg").mkdir(parents=True)
+    (tree / "var" / "log" / "journal" / "0123abcd").mkdir(parents=True)
+    (tree / "var" / "lib" / "nodeagent" / "state.json").write_text(
+        '{"step": "joined", "kubernetes_version": "1.35.3"}'
+    )
+    (tree / "var" / "lib" / "nodeagent" / "joined").write_text("")
+    (tree / "var" / "lib" / "dpkg" / "status").write_text(DPKG_STATUS)
+    fs = tmp_path / "root.ext4"
+    subprocess.run(["mke2fs", "-q", "-t", "ext4", "-d", str(tree), str(fs), "16M"], check=True)
+    disk = tmp_path / "disk.raw"
+    with disk.open("wb") as fh:
+        fh.truncate(24 << 20)
+    layout = "label: gpt\nstart=2048, size=2048, type=U\nstart=4096, size=32768, type=L\n"
+    subprocess.run(["sfdisk", "-q", str(disk)], input=layout, text=True, check=True)
+    subprocess.run(
+        ["dd", f"if={fs}", f"of={disk}", "bs=512", "seek=4096", "conv=notrunc", "status=none"], check=True
+    )
+    read = demo_rack.NodeDisk.open(disk, "raw", tmp_path)
+    assert read.offset == 4096 * 512  # the largest partition is the root
+    kept = demo_rack.read_node(read, tmp_path)
+    assert kept["state"] == {"step": "joined", "kubernetes_version": "1.35.3"} and kept["joined_marker"]
+    assert kept["packages"] == {
+        "kubeadm": {"version": "1.35.3-1.1", "status": "hold ok installed"},
+        "kubelet": {"version": "1.35.3-1.1", "status": "install ok installed"},
+    }
+    assert kept["journal"] == ""  # a journal folder with no journal file in it
+    assert read.listdir("/var/log/journal") == ["0123abcd"]
+    assert read.read("/var/lib/nodeagent/absent") is None
+
+
+class _Cluster:
+    """The control plane's kubectl, answering what the verdict asks (a test double of ControlPlane.kubectl)."""
+
+    def __init__(self) -> None:
+        self.left = ""
+
+    def kubectl(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        del check
+        assert args[:3] == ("-n", "kube-system", "get"), args
+        return subprocess.CompletedProcess(list(args), 0, self.left, "")
+
+
+def _node(version: str = "1.35.3", ready: str = "True") -> dict[str, Any]:
+    labels = {"nodetrust.io/pool": "cpu", "nodetrust.io/demo": "true", "example.com/rack": "r1"}
+    return {
+        "metadata": {"labels": labels},
+        "spec": {"taints": [{"key": "example.com/dedicated", "value": "demo", "effect": "NoSchedule"}]},
+        "status": {
+            "conditions": [{"type": "Ready", "status": ready}],
+            "nodeInfo": {"kubeletVersion": f"v{version}"},
+        },
+    }
+
+
+def test_the_verdict_reads_the_servers_the_clusters_and_the_nodes_records(tmp_path: Path) -> None:
+    (tmp_path / "server" / "data").mkdir(parents=True)
+    cluster = _Cluster()
+    rack = demo_rack.Rack(tmp_path, cluster, None, None, None, tmp_path / "releases", None)
+    held = {
+        n: {"version": "1.35.3-1.1", "status": "hold ok installed"}
+        for n in ("kubeadm", "kubelet", "kubectl")
+    }
+    kept: dict[str, Any] = {"state": {"kubernetes_version": "1.35.3"}, "joined_marker": True, "packages": held,
+                            "journal": "nodeagent[1]: kubeadm join succeeded"}  # fmt: skip
+    log = tmp_path / "console.log"
+    log.write_text("nothing secret\n")
+
+    def verdict(**change: Any) -> list[str]:
+        args: dict[str, Any] = {"node": _node(), "kept": kept, "version": "1.35.3", "release_name": "build-1",
+                                "events": None, "logs": [log], **change}  # fmt: skip
+        return demo_rack.verdict(rack, **args)
+
+    def audit(*lines: dict[str, Any]) -> None:
+        (tmp_path / "server" / "data" / "audit.jsonl").write_text(
+            "".join(json.dumps(x) + "\n" for x in lines)
+        )
+
+    # the Node is Ready, but the server issued nothing: the verdict fails
+    problems = verdict()
+    assert any("no successful attestation" in p for p in problems)
+    assert any("no successful join of demo-node-1" in p for p in problems)
+    attest = {"event": "attest", "result": "ok", "ek_trust": "ca"}
+    join = {"event": "join", "result": "ok", "node_name": "demo-node-1", "pool": "cpu", "token_id": "abcdef",
+            "verdict": "pass", "warned_checks": [], "release": "build-1"}  # fmt: skip
+    joined = {"event": "joined", "result": "ok", "token_id": "abcdef", "token_revoked": True}
+    audit(attest, join)
+    assert any("revoked []" in p for p in verdict())  # never revoked by the node's report
+    audit(attest, join, joined)
+    assert verdict() == []
+    cluster.left = "secret/bootstrap-token-abcdef"
+    assert any("still in the cluster" in p for p in verdict())
+    cluster.left = ""
+    audit(attest, {**join, "warned_checks": ["node.time_sync"]}, joined)
+    assert any("did not pass every check" in p for p in verdict())
+    audit(attest, {**join, "release": "another"}, joined)
+    assert any("not the build 'build-1'" in p for p in verdict())
+    audit(attest, join, joined)
+    # the Node: Ready, the pool's labels and taint, the pool's kubelet
+    assert any("is not Ready" in p for p in verdict(node=_node(ready="False")))
+    assert any("not the pool's v1.35.3" in p for p in verdict(node=_node(version="1.36.3")))
+    unlabelled = _node()
+    del unlabelled["metadata"]["labels"]["example.com/rack"]
+    assert any("label example.com/rack" in p for p in verdict(node=unlabelled))
+    # the node's disk: the pool's version installed and held, the agent's state
+    assert any(
+        "kubectl package is absent" in p for p in verdict(kept={**kept, "packages": {**held, "kubectl": {}}})
+    )
+    unheld = {**held, "kubelet": {"version": "1.35.3-1.1", "status": "install ok installed"}}
+    assert any("kubelet package" in p for p in verdict(kept={**kept, "packages": unheld}))
+    assert any("the agent's state" in p for p in verdict(kept={**kept, "joined_marker": False}))
+    # the imager's account, when the server was provisioned by iPXE
+    chosen = {"event": "disk-chosen", "disk": {"serial": "NODE0TARGET"}}
+    events = [
+        {"event": "verified"},
+        chosen,
+        {"event": "written"},
+        {"event": "boot-entry"},
+        {"event": "done"},
+    ]
+    assert verdict(events=events) == []
+    assert any("imager's events" in p for p in verdict(events=events[:-1]))
+    assert any("not the disk with serial" in p for p in verdict(events=[events[0], {**chosen, "disk": {"serial": "X"}},
+                                                                          *events[2:]]))  # fmt: skip
+    # a token of the issued id in clear in any log, the node's journal included
+    log.write_text("oops abcdef.0123456789abcdef\n")
+    assert any("appears in a log" in p for p in verdict())
+    log.write_text("token abcdef.<redacted>; xabcdef.0123456789abcdef0 is not it\n")
+    assert verdict() == []
+    assert any(
+        "appears in a log" in p
+        for p in verdict(kept={**kept, "journal": "kubeadm --token abcdef.0123456789abcdef"})
+    )
