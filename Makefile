@@ -7,7 +7,8 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 .PHONY: deps peers cluster demo demo-host test unit vm-test lint proto proto-check settings settings-check bench bench-build clean help
 
 help:
-	@echo "make demo     build the node image, boot it with a TPM, attest, check and join (under 7 min here)"
+	@echo "make demo     build the node image, provision a racked server with it, attest, check, join a real cluster"
+	@echo "              (DEMO_ARGS=--ipxe: through iPXE and the imager; DEMO_ARGS='--image F --build-key P': a signed build)"
 	@echo "make demo-host  the same agent steps on the host against swtpm, no image or VM (seconds)"
 	@echo "make test     lint, type-check and run every test tier (starts and stops the services it needs)"
 	@echo "make vm-test  only the VM tier (vm-tests/)"

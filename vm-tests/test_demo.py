@@ -97,6 +97,12 @@ def test_ipxe_imager_first_boot_attest_and_join_a_real_cluster(incremental_build
             < gets.index(f"{name}/release.json")
             < gets.index(f"{name}/{image['name']}")
         )  # the signature is checked before any digest is trusted, the digests before the image
+        provisioning = (work / "server-vm" / "provision.console.log").read_text(errors="replace")
+        # Debian's iPXE has no digest commands: the script says so, and the imager's init brought the NIC up
+        assert (
+            "nodetrust: this iPXE has no sha256sum" in provisioning
+            and "nodeimager-boot: network up on" in provisioning
+        )
         # -- the imager's own account, POSTed to the release's events URL
         events = served["events"]
         assert [e["event"] for e in events] == [
