@@ -265,3 +265,21 @@ def test_killed_after_each_step_of_the_stage_resumes_once(node: StagedNode, env:
     assert not node.pending.exists()
     assert len(_devid_events(env, node.status()["identity"])) == 1, "resuming does not enrol again"
     assert len(node.kubeadm_calls()) == 1
+
+
+def test_a_server_that_forgot_the_node_gets_an_ek_attestation_then_the_enrolment(
+    node: StagedNode, env: JoinEnv
+) -> None:
+    """DevId/Enrol refuses a node whose EK identity the server does not know (``not_attested``): the
+    stage attests with the EK again, once, and enrols; it never goes back to the join."""
+    assert node.run("run").returncode == 0  # joined, no stage
+    identity = node.status()["identity"]
+    assert env.srv.app.store is not None and env.srv.app.store.delete_agent(identity)
+    done = node.stage("run", extra={"NODEAGENT_DEADLINE_S": "30"})
+    assert done.returncode == 0, done.stderr
+    history = json.loads((node.dir / "state" / "state.json").read_text())["history"]
+    refused = [h for h in history if h.get("step") == "devid_enrol" and h.get("reason") == "not_attested"]
+    assert len(refused) == 1, history
+    assert env.srv.app.store.get_agent(identity) is not None, "the node attested with its EK again"
+    assert len(_devid_events(env, identity)) == 1
+    assert node.systemctl_calls() == [START] and len(node.kubeadm_calls()) == 1
