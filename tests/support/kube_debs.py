@@ -107,11 +107,18 @@ def _stamp_flags(version: str) -> str:
     return flags
 
 
+def _stamped(
+    module: str, kind: str, version: str, tools: tuple[str, ...], flags: str, check: list[str]
+) -> Path:
+    """``tools`` of ``interop/<module>`` linked again with ``flags`` (CGO off), cached: :func:`relink`."""
+    return relink(module, kind, version, tools, flags, check)
+
+
 def kube_binaries(version: str) -> Path:
     """kubeadm, kubelet and kubectl for ``version``: the peers' own for 1.36.3, else the stamped re-link."""
     if version == KUBE_PEER_VERSION:
         return bin_dir("kube")
-    return relink(
+    return _stamped(
         "kube",
         "kube-stamped",
         version,
@@ -127,7 +134,7 @@ def crictl_binary(version: str) -> Path:
         return bin_dir("critools") / "crictl"
     flags = f"-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=v{version}"
     return (
-        relink("critools", "critools-stamped", version, ("crictl",), flags, ["crictl", "--version"])
+        _stamped("critools", "critools-stamped", version, ("crictl",), flags, ["crictl", "--version"])
         / "crictl"
     )
 
