@@ -66,7 +66,8 @@ def start_unit(unit: str, *, restart: bool = False) -> None:
         if exc.failure is Failure.EXIT and exc.returncode in SYSTEMCTL_NO_SUCH_UNIT:
             raise UnitMissingError(
                 f"systemd has no loadable unit {unit}: {exc.message}",
-                hint=f"set spire_agent_unit to the image's SPIRE agent unit (`systemctl cat {unit}`), or clear it",
+                hint="set spire_agent_unit to the image's SPIRE agent unit (`systemctl list-unit-files 'spire*'`), "
+                "or clear it",
             ) from exc
         raise UnitStartError(
             f"systemctl {verb} {unit} failed: {exc.message}",
@@ -114,7 +115,7 @@ class AfterJoinStage:
             return True
         if after.spire_agent_unit != self.config.spire_agent_unit:
             return True
-        return self.config.devid_enrol and not self._check().valid
+        return self.config.devid_enrol and (not after.devid_id or not self._check().valid)
 
     def _check(self) -> DevidCheck:
         return inspect(
