@@ -83,6 +83,21 @@ class AgentConfig:
     timeout_s: float = 60.0  # per network exchange
     event_log: str = "/sys/kernel/security/tpm0/binary_bios_measurements"  # the firmware's TCG event log
     image_info: str = "/etc/nodetrust/image.json"  # what the image carries (agent.kubeversion)
+    # After the join (agent.lifecycle): a DevID for SPIRE's tpm_devid, then the image's SPIRE agent unit.
+    devid_enrol: bool = False
+    devid_dir: str = ""  # default: <state_dir>/devid
+    devid_renew_before_s: float = 30 * 86400.0  # enrol anew when the DevID expires within this
+    spire_agent_unit: str = ""  # started after the DevID (systemctl start --no-block); "": none
+
+    @property
+    def devid_path(self) -> Path:
+        """The DevID files' folder: ``devid_dir``, else ``<state_dir>/devid``."""
+        return Path(self.devid_dir) if self.devid_dir else Path(self.state_dir) / "devid"
+
+    @property
+    def after_join_wanted(self) -> bool:
+        """Whether ``nodeagent run`` has a stage after the join (a DevID, the SPIRE agent unit)."""
+        return self.devid_enrol or bool(self.spire_agent_unit)
 
     @property
     def join_address(self) -> str:
@@ -124,6 +139,8 @@ def _trust_domain_problem(value: str) -> str | None:
     return None
 
 
+# A systemd service name: no leading '-' (it is one argv word of systemctl), a template instance allowed.
+UNIT_PATTERN = r"([A-Za-z0-9][A-Za-z0-9:_.@-]{0,240}\.service)?"
 _ADDRESS = _address(as_tuple=False)
 _PATH = _text("a path", metavar="PATH")
 _SECONDS = _duration(seconds=True, positive=True)
@@ -218,6 +235,34 @@ TABLE = Table(
             _PATH,
             "what the node image carries (its Kubernetes versions: installed, staged), written by imagebuilder",
             "/etc/nodetrust/image.json",
+        ),
+        Setting(
+            "devid_enrol",
+            _boolean(),
+            "after the join, enrol a DevID with the server (nodeserver) for SPIRE's tpm_devid attestor, "
+            "unless devid_dir holds one valid for more than devid_renew_before_s",
+            False,
+        ),
+        Setting(
+            "devid_dir",
+            _PATH,
+            "where the DevID files go: devid.crt.pem, devid.priv.blob, devid.pub.blob (what spire-agent's "
+            "tpm_devid reads) and devid-ca.pem",
+            "",
+            default_text="<state_dir>/devid",
+        ),
+        Setting(
+            "devid_renew_before_s",
+            _SECONDS,
+            "enrol a new DevID when the certificate in devid_dir expires within this",
+            30 * 86400.0,
+        ),
+        Setting(
+            "spire_agent_unit",
+            _text("a systemd service name like spire-agent.service", pattern=UNIT_PATTERN, metavar="UNIT"),
+            "after the join (and the DevID, with devid_enrol), start this unit: `systemctl start --no-block "
+            "UNIT`; empty: start nothing",
+            "",
         ),
     ),
     env_prefix=ENV_PREFIX,

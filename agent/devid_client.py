@@ -19,6 +19,7 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,12 +38,13 @@ from agent.refusals import DetailsCodec, Rpc, from_grpc_error
 from agent.svid import Svid, SvidStore, make_csr, new_key
 from agent.tls import SpiffeTLSContext
 from agent.tpm.devid import DevidBlobs, DevidTpm
+from protocol import tpm2
 from protocol._gen.nodetrust.devid.v1 import devid_pb2
 from protocol._gen.spire.api.server.agent.v1 import agent_pb2
 from protocol._gen.spire.api.types import attestation_pb2
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, SpiffeIdError
 from protocol.files import write_atomic
-from protocol.spiffe import server_id
+from protocol.spiffe import server_id, tpm_devid_agent_id
 from protocol.tpm_devid import (
     ATTESTOR_TYPE,
     AttestationRequest,
@@ -113,6 +115,70 @@ class DevidFiles:
         if not chain:
             raise ConfigError(f"{self.cert_path} holds no certificate", hint="enrol again")
         return blobs, chain
+
+
+class DevidProblem(StrEnum):
+    """Why the DevID files in a folder are not fit for spire-agent (so the agent enrols a new one)."""
+
+    MISSING = "missing"  # a file is absent
+    UNREADABLE = "unreadable"  # a file cannot be read, or holds no certificate or TPM public area
+    KEY_MISMATCH = "key_mismatch"  # the certificate is not for the key in devid.pub.blob
+    EXPIRING = "expiring"  # the certificate has expired or expires within the margin
+
+
+@dataclass(frozen=True)
+class DevidCheck:
+    """What :func:`inspect` found: ``problem`` None when the files are fit for use."""
+
+    problem: DevidProblem | None
+    detail: str = ""
+    agent_id: str = ""  # spiffe://<td>/spire/agent/tpm_devid/<SHA-1 of the leaf DER>; "" when unknown
+    expires_at: int = 0
+
+    @property
+    def valid(self) -> bool:
+        return self.problem is None
+
+
+def inspect(files: DevidFiles, *, trust_domain: str, now: float, renew_before_s: float) -> DevidCheck:
+    """Whether ``files`` hold a DevID spire-agent can use for more than ``renew_before_s`` from ``now``.
+
+    Checked: the three files exist, the certificate file starts with a PEM certificate, the TPM public
+    area parses and is the certificate's key, and the certificate is valid past ``now + renew_before_s``.
+    Not checked: that the private blob loads in this TPM (only the TPM can say; a DevID copied from
+    another machine fails at spire-agent's attestation, and ``nodeagent devid attest`` shows it).
+    """
+    if not files.exists():
+        absent = [p.name for p in (files.cert_path, files.priv_path, files.pub_path) if not p.exists()]
+        return DevidCheck(DevidProblem.MISSING, f"{files.directory} has no {', '.join(absent)}")
+    try:
+        leaf = x509.load_pem_x509_certificates(_read(files.cert_path))[0]
+        key_spki = tpm2.spki_der(tpm2.parse_public(_read(files.pub_path)))
+    except OSError as exc:
+        return DevidCheck(DevidProblem.UNREADABLE, f"cannot read the DevID files: {exc.strerror}")
+    except (ValueError, IndexError) as exc:  # no PEM certificate, a bad TPMT_PUBLIC, too large
+        return DevidCheck(DevidProblem.UNREADABLE, f"the DevID files cannot be used: {exc}")
+    leaf_der = leaf.public_bytes(serialization.Encoding.DER)
+    try:
+        agent_id = str(tpm_devid_agent_id(trust_domain, leaf_der)) if trust_domain else ""
+    except SpiffeIdError:
+        agent_id = ""
+    expires_at = int(leaf.not_valid_after_utc.timestamp())
+    cert_spki = leaf.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    if cert_spki != key_spki:
+        return DevidCheck(
+            DevidProblem.KEY_MISMATCH,
+            f"{files.cert_path.name} is not the certificate of the key in {files.pub_path.name}",
+            agent_id,
+            expires_at,
+        )
+    if expires_at - now <= renew_before_s:
+        left = expires_at - now
+        when = "has expired" if left <= 0 else f"expires in {left / 86400:.1f} days"
+        return DevidCheck(DevidProblem.EXPIRING, f"the DevID certificate {when}", agent_id, expires_at)
+    return DevidCheck(None, "valid", agent_id, expires_at)
 
 
 def _read(path: Path) -> bytes:

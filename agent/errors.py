@@ -79,6 +79,12 @@ EXIT_STATUSES: tuple[ExitStatus, ...] = (
         14, "refused_for_now", False, "the server refused for now: a limit, a timeout, or its own fault"
     ),
     ExitStatus(15, "not_attested", False, "the server does not know this node's identity: it attests again"),
+    ExitStatus(
+        16,
+        "unit_start_failed",
+        False,
+        "systemd did not take the start of a unit the agent starts (the SPIRE agent, after the join)",
+    ),
     ExitStatus(130, "interrupted", False, "interrupted (Ctrl-C)"),
 )
 EXIT_BY_CODE = {e.code: e for e in EXIT_STATUSES}
@@ -289,6 +295,18 @@ class JoinConfigError(KubeadmError):
 class KubernetesVersionError(JoinConfigError):
     """The join answer's Kubernetes version is one this image does not carry, or one the pool's skew policy
     refuses for this node (agent.kubeversion); nothing was installed."""
+
+
+class UnitStartError(AgentError):
+    """``systemctl start --no-block`` of a unit the agent starts after the join failed (systemd busy or
+    unreachable, a start refused): retried. The join is never touched."""
+
+    exit_code = 16
+
+
+class UnitMissingError(ConfigError):
+    """The unit the agent is set to start is not installed or cannot be loaded (systemctl's exit status 5
+    or 6), or there is no systemctl: the setting (spire_agent_unit) or the image is wrong."""
 
 
 class StateError(AgentError):

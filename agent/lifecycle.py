@@ -29,7 +29,12 @@ crash or a reboot resumes at the right place:
   judges it;
 * after ``kubeadm join`` succeeds the agent reports it to the broker
   (Join.ReportJoined), which revokes the token at once; a failed report is
-  logged and retried a few times, and never undoes the join.
+  logged and retried a few times, and never undoes the join;
+* then, when configured (``devid_enrol``, ``spire_agent_unit``), the stage after the join
+  (:mod:`agent.after_join`): a DevID for SPIRE's ``tpm_devid`` unless a valid one is there, then
+  ``systemctl start --no-block`` of the image's SPIRE agent unit. It has its own persisted steps,
+  error and retries, and a marker (``after-join-pending``) that makes nodeagent.service run again on
+  a joined node until it is done; its failures never undo the join.
 
 What a failure leads to comes from its class (:mod:`agent.errors`) and, for the
 server's refusals, from the one table in :mod:`agent.refusals`: the exit status,
@@ -57,6 +62,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cryptography import x509
 
@@ -75,6 +81,9 @@ from agent.state import LastError, State, StateStore, Step
 from agent.status import status_doc, status_lines
 from agent.svid import SvidStore
 
+if TYPE_CHECKING:
+    from agent.after_join import AfterJoinStage
+
 __all__ = ["Lifecycle", "Outcome", "VerificationFailedError", "backoff", "status_doc", "status_lines"]
 
 log = logging.getLogger(__name__)
@@ -90,6 +99,7 @@ UNFINISHED_JOIN_MARKER = "kubeadm-join-unfinished"
 class Outcome:
     joined: bool
     state: State
+    after_join: str = ""  # the stage after the join: "" (none), else its step (``done`` when finished)
 
 
 def backoff(attempt: int, initial: float, cap: float, rng: random.Random) -> float:
@@ -141,12 +151,21 @@ class Lifecycle:
     def _run(self) -> Outcome:
         state = self.states.load()
         if self.states.joined() or state.step == Step.JOINED or self.kubelet_conf.exists():
+            state.step = Step.JOINED
+            stage = self._after_join_stage()
+            due = stage.due(state)
+            if due:  # before the joined marker, so that the unit runs again if this run dies
+                self.states.mark_after_join_pending()
             if not self.states.joined():
                 self.states.mark_joined()
-            state.step = Step.JOINED
-            _notify("joined (nothing to do)")
-            log.info("this node has already joined; nothing to do")
-            return Outcome(True, state)
+            if not due:
+                self.states.clear_after_join_pending()
+                _notify("joined (nothing to do)")
+                log.info("this node has already joined; nothing to do")
+                return self._outcome(state)
+            log.info("this node has already joined; the stage after the join has work left")
+            stage.run(state)
+            return self._outcome(state)
         if state.step == Step.KUBEADM_JOIN:
             # The token lived only in memory: ask for a new one.
             log.info("resuming after an interrupted join: requesting new credentials")
@@ -173,11 +192,40 @@ class Lifecycle:
             state.last_error = None
             self.states.save(state)
             self._fault_hook(step)
+        stage = self._after_join_stage()
+        due = stage.due(state)
+        if due:  # before the joined marker, so that the unit runs again if this run dies
+            self.states.mark_after_join_pending()
         self.states.mark_joined()
         state.joined_at = self.clock()
         self.states.save(state)
         _notify("joined")
-        return Outcome(True, state)
+        if due:
+            stage.run(state)  # raises a failure of its own; the join stands
+        return self._outcome(state)
+
+    @staticmethod
+    def _outcome(state: State) -> Outcome:
+        return Outcome(True, state, str(state.after_join.step) if state.after_join is not None else "")
+
+    def _after_join_stage(self) -> AfterJoinStage:
+        from agent.after_join import AfterJoinStage
+
+        def attest_again(state: State) -> None:
+            self._force_attest = True
+            self._attest(state)
+            self.states.save(state)
+
+        return AfterJoinStage(
+            self.config,
+            self.states,
+            sleep=self.sleep,
+            clock=self.clock,
+            rng=self.rng,
+            bundle=self._bundle,
+            attest_again=attest_again,
+            fault_hook=self._fault_hook,
+        )
 
     def _failed(self, state: State, step: Step, exc: AgentError, deadline: float) -> None:
         """Record a failure, then re-raise it (permanent, or past the deadline) or wait and go on."""
@@ -238,7 +286,7 @@ class Lifecycle:
         log.warning("removed a join configuration left behind by an interrupted run: %s", path)
 
     @staticmethod
-    def _fault_hook(step: Step) -> None:
+    def _fault_hook(step: str) -> None:
         if os.environ.get(FAULT_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
 

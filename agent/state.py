@@ -4,7 +4,9 @@ Written (write, fsync, rename) at every step change and every failure, so a
 crash or a reboot resumes at the right step, and ``nodeagent status`` can say
 where the agent is, what went wrong last and what to do. The ``joined`` marker
 is a separate file so that the systemd unit's ``ConditionPathExists=!`` can
-see it.
+see it; so is the ``after-join-pending`` marker, which exists while the
+optional stage after the join (a DevID, then the SPIRE agent: agent.lifecycle)
+has not finished, so that the unit runs again on a joined node until it has.
 
 A state file is read with a size bound and its shape checked key by key: a file
 this agent cannot understand (a list, a wrong type, an unknown step, too large)
@@ -28,6 +30,7 @@ from agent.files import FileTooLargeError, ensure_private_dir, read_bounded, wri
 
 STATE_FILE = "state.json"
 JOINED_MARKER = "joined"
+AFTER_JOIN_MARKER = "after-join-pending"
 STATE_VERSION = 1
 MAX_STATE_BYTES = 1024 * 1024
 MAX_HISTORY = 50
@@ -45,6 +48,14 @@ class Step(StrEnum):
 ORDER = list(Step)
 
 
+class AfterJoinStep(StrEnum):
+    """The optional stage after the join (agent.lifecycle); it never touches the join itself."""
+
+    DEVID_ENROL = "devid_enrol"  # a DevID for SPIRE's tpm_devid, unless a valid one is there
+    SPIRE_AGENT = "spire_agent"  # systemctl start --no-block <spire_agent_unit>
+    DONE = "done"
+
+
 @dataclass
 class LastError:
     step: str
@@ -59,6 +70,22 @@ class LastError:
 
 
 @dataclass
+class AfterJoin:
+    """Where the stage after the join is; its failures are kept here, apart from the join's."""
+
+    step: AfterJoinStep = AfterJoinStep.DEVID_ENROL
+    attempts: int = 0  # consecutive failures at this step
+    last_error: LastError | None = None
+    devid_id: str = ""  # spiffe://<td>/spire/agent/tpm_devid/<SHA-1 of the DevID leaf>
+    devid_expires_at: int = 0
+    devid_enrolled_at: float = 0.0  # 0: the DevID found in devid_dir was used as it was
+    devid_replaced: bool = False  # a DevID that existed was replaced: restart (not start) the SPIRE agent
+    spire_agent_unit: str = ""
+    spire_agent_started_at: float = 0.0
+    done_at: float = 0.0
+
+
+@dataclass
 class State:
     step: Step = Step.PREFLIGHT
     attempts: int = 0  # consecutive failures at this step
@@ -70,12 +97,16 @@ class State:
     joined_at: float = 0.0
     # The Kubernetes version the join answer selected and the agent made the installed one (agent.kubeversion).
     kubernetes_version: str = ""
+    # The stage after the join, once it has begun (None: not configured, or not reached yet).
+    after_join: AfterJoin | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> bytes:
         doc = asdict(self)
         doc["version"] = STATE_VERSION
         doc["step"] = str(self.step)
+        if self.after_join is not None:
+            doc["after_join"]["step"] = str(self.after_join.step)
         return json.dumps(doc, indent=2, sort_keys=True, allow_nan=False).encode()
 
     @classmethod
@@ -139,6 +170,7 @@ _STATE_KEYS: dict[str, _Check] = {
     "verdict": (_is_str, "a string"),
     "joined_at": (_is_number, "a number"),
     "kubernetes_version": (_is_str, "a string"),
+    "after_join": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "history": (_is_history, "a list of objects with plain values"),
 }
 _ERROR_KEYS: dict[str, _Check] = {
@@ -153,6 +185,18 @@ _ERROR_KEYS: dict[str, _Check] = {
     "action": (_is_str, "a string"),
 }
 _ERROR_REQUIRED = {f.name for f in fields(LastError) if f.default is MISSING}
+_AFTER_JOIN_KEYS: dict[str, _Check] = {
+    "step": (_is_str, "a step name"),
+    "attempts": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "last_error": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "devid_id": (_is_str, "a string"),
+    "devid_expires_at": (_is_int, "an integer"),
+    "devid_enrolled_at": (_is_number, "a number"),
+    "devid_replaced": (_is_bool, "true or false"),
+    "spire_agent_unit": (_is_str, "a string"),
+    "spire_agent_started_at": (_is_number, "a number"),
+    "done_at": (_is_number, "a number"),
+}
 
 
 def _checked(doc: Any, keys: Mapping[str, _Check], where: str) -> dict[str, Any]:
@@ -180,14 +224,34 @@ def _state_from(doc: Any) -> State:
     except ValueError:
         raise ValueError(f"unknown step (known: {', '.join(Step)})") from None
     err = doc.pop("last_error", None)
+    after = doc.pop("after_join", None)
     state = State(step=step, **doc)
-    if err is not None:
-        err = _checked(err, _ERROR_KEYS, "the state's last_error")
-        missing = sorted(_ERROR_REQUIRED - set(err))
-        if missing:
-            raise ValueError(f"the state's last_error lacks {', '.join(missing)}")
-        state.last_error = LastError(**err)
+    state.last_error = _last_error(err, "the state's last_error")
+    if after is not None:
+        state.after_join = _after_join_from(after)
     return state
+
+
+def _last_error(doc: Any, where: str) -> LastError | None:
+    if doc is None:
+        return None
+    err = _checked(doc, _ERROR_KEYS, where)
+    missing = sorted(_ERROR_REQUIRED - set(err))
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}")
+    return LastError(**err)
+
+
+def _after_join_from(doc: Any) -> AfterJoin:
+    doc = dict(_checked(doc, _AFTER_JOIN_KEYS, "the state's after_join"))
+    try:
+        step = AfterJoinStep(doc.pop("step", AfterJoinStep.DEVID_ENROL))
+    except ValueError:
+        raise ValueError(
+            f"the state's after_join.step is unknown (known: {', '.join(AfterJoinStep)})"
+        ) from None
+    err = _last_error(doc.pop("last_error", None), "the state's after_join.last_error")
+    return AfterJoin(step=step, last_error=err, **doc)
 
 
 class StateStore:
@@ -233,3 +297,19 @@ class StateStore:
 
     def joined(self) -> bool:
         return self.marker.exists()
+
+    @property
+    def after_join_marker(self) -> Path:
+        return self.dir / AFTER_JOIN_MARKER
+
+    def mark_after_join_pending(self) -> None:
+        """The stage after the join has work left: nodeagent.service runs again, even on a joined node."""
+        if not self.after_join_marker.exists():
+            self._private_dir()
+            write_atomic(self.after_join_marker, f"{time.time():.0f}\n".encode(), 0o644)
+
+    def clear_after_join_pending(self) -> None:
+        self.after_join_marker.unlink(missing_ok=True)
+
+    def after_join_pending(self) -> bool:
+        return self.after_join_marker.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -65,6 +66,13 @@ def tpm_agent_id(trust_domain: str, ek_pub_hash: str) -> SpiffeId:
 
 
 _SHA1_HEX_RE = re.compile(r"[0-9a-f]{40}")
+
+
+def tpm_devid_agent_id(trust_domain: str, leaf_der: bytes) -> SpiffeId:
+    """``spiffe://<td>/spire/agent/tpm_devid/<hex SHA-1 of the DevID leaf DER>``, as spire-server names it."""
+    return SpiffeId(
+        trust_domain, f"/spire/agent/tpm_devid/{hashlib.sha1(leaf_der, usedforsecurity=False).hexdigest()}"
+    )
 
 
 def is_agent_id(spiffe_id: SpiffeId, trust_domain: str) -> bool:

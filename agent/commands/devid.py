@@ -2,9 +2,11 @@
 
 ``enrol`` creates a DevID key in the TPM (SPIRE's storage-key template), has nodeserver's DevID CA
 certify it after proving the key, an AK and the EK share the TPM, and writes the files spire-agent's
-``tpm_devid`` reads into ``--devid-dir`` (default ``<state_dir>/devid``). ``attest`` attests with
-them to any SPIRE-compatible server (a stock spire-server with ``devid_ca_path`` = the DevID CA, or
-nodeserver). Settings come from the same layers as ``nodeagent attest`` (docs/settings.md).
+``tpm_devid`` reads into ``--devid-dir`` (default: the ``devid_dir`` setting, else
+``<state_dir>/devid``). ``attest`` attests with them to any SPIRE-compatible server (a stock
+spire-server with ``devid_ca_path`` = the DevID CA, or nodeserver). Settings come from the same layers
+as ``nodeagent attest`` (docs/settings.md). ``nodeagent run`` enrols by itself after the join when
+``devid_enrol`` is set.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ def register(sub: Any) -> None:
     attest = verbs.add_parser("attest", help="attest with tpm_devid and store the agent SVID")
     for v in (enrol, attest):
         add_arguments(v, "attest")
-        v.add_argument("--devid-dir", metavar="DIR", help="the DevID files (default <state_dir>/devid)")
+        v.add_argument(
+            "--devid-dir", metavar="DIR", help="the DevID files (default: devid_dir, else <state_dir>/devid)"
+        )
         v.add_argument("--json", action="store_true", help="print the result as one JSON object")
     enrol.add_argument(
         "--key-alg", choices=("rsa", "ecc"), default="rsa", help="the DevID key (default rsa)"
@@ -64,7 +68,7 @@ def _target(config: AgentConfig) -> Any:
 def _files(args: argparse.Namespace, config: AgentConfig) -> Any:
     from agent.devid_client import DevidFiles
 
-    return DevidFiles(Path(args.devid_dir) if args.devid_dir else Path(config.state_dir) / "devid")
+    return DevidFiles(Path(args.devid_dir) if args.devid_dir else config.devid_path)
 
 
 def run_enrol(args: argparse.Namespace) -> int:

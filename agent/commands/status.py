@@ -32,7 +32,7 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--json",
         action="store_true",
-        help="print one JSON document (keys: schema, step, joined, identity, svid_expires_at, "
+        help="print one JSON document (keys: schema, step, joined, identity, svid_expires_at, after_join, devid, "
         "last_verification, last_error, ...; see docs/join.md)",
     )
     p.set_defaults(func=run)

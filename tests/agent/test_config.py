@@ -295,6 +295,9 @@ def test_run_takes_every_setting_as_a_flag(tmp_path: Path) -> None:
         elif setting.kind.name == "address":
             argv += [setting.flag, "h.example:1"]
             expected[setting.name] = "h.example:1"
+        elif setting.name == "spire_agent_unit":  # a systemd service name
+            argv += [setting.flag, "value-of-spire-agent.service"]
+            expected[setting.name] = "value-of-spire-agent.service"
         else:
             argv += [setting.flag, f"value-of-{setting.key}"]
             expected[setting.name] = f"value-of-{setting.key}"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agent.errors import StateError
-from agent.state import MAX_STATE_BYTES, LastError, State, StateStore, Step
+from agent.state import MAX_STATE_BYTES, AfterJoin, AfterJoinStep, LastError, State, StateStore, Step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,15 @@ def good() -> dict[str, Any]:
     state = State(step=Step.VERIFY, attempts=2, spiffe_id="spiffe://example.org/spire/agent/tpm/ab")
     state.last_error = LastError("verify", "GPUs not ready", "wait", False, 1.0, reason="checks_failing")
     state.history = [{"at": 1.0, "step": "attest", "ok": True}]
+    state.after_join = AfterJoin(AfterJoinStep.SPIRE_AGENT, attempts=1, devid_id="spiffe://example.org/x")
+    state.after_join.last_error = LastError("spire_agent", "no bus", "retry", False, 2.0, exit_status=16)
     doc: dict[str, Any] = json.loads(state.to_json())
+    return doc
+
+
+def after_with(**changes: Any) -> dict[str, Any]:
+    doc = good()
+    doc["after_join"] = {**doc["after_join"], **changes}
     return doc
 
 
@@ -60,6 +68,12 @@ WRONG_SHAPES: list[tuple[str, Any, str]] = [
     ("no version", {k: v for k, v in good().items() if k != "version"}, "state version"),
     ("svid_expires_at a float", with_(svid_expires_at=1.5), "svid_expires_at must be"),
     ("spiffe_id a number", with_(spiffe_id=7), "spiffe_id must be"),
+    ("after_join a list", with_(after_join=[]), "after_join must be"),
+    ("after_join unknown step", after_with(step="dancing"), "after_join.step is unknown"),
+    ("after_join unknown key", after_with(surprise=1), "unknown key"),
+    ("after_join attempts negative", after_with(attempts=-1), "attempts must be"),
+    ("after_join devid_replaced a string", after_with(devid_replaced="yes"), "devid_replaced must be"),
+    ("after_join last_error bad", after_with(last_error={"step": "x"}), "after_join.last_error lacks"),
 ]
 
 
@@ -123,6 +137,25 @@ def test_round_trip_and_older_last_errors(tmp_path: Path) -> None:
     store.path.write_text(json.dumps(doc))
     older = store.load().last_error
     assert older is not None and older.exit_status == 1 and older.reason == ""
+    assert store.load().after_join is None  # a state file from before the stage after the join
+
+
+def test_the_stage_after_the_join_round_trips(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state")
+    state = State(step=Step.JOINED)
+    state.after_join = AfterJoin(AfterJoinStep.DONE, devid_id="spiffe://e.org/spire/agent/tpm_devid/ab",
+                                 devid_expires_at=7, devid_replaced=True, spire_agent_unit="s.service",
+                                 spire_agent_started_at=3.5, done_at=4.0)  # fmt: skip
+    state.after_join.last_error = LastError("devid_enrol", "m", "h", False, 5.0, exit_status=4)
+    store.save(state)
+    loaded = store.load()
+    assert loaded.after_join == state.after_join and loaded.after_join.step is AfterJoinStep.DONE
+    assert not store.after_join_pending()
+    store.mark_after_join_pending()
+    assert store.after_join_pending() and store.after_join_marker.name == "after-join-pending"
+    store.clear_after_join_pending()
+    store.clear_after_join_pending()  # idempotent
+    assert not store.after_join_pending()
 
 
 @pytest.mark.subprocess

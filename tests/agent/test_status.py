@@ -16,7 +16,12 @@ JOIN_DOC = ROOT / "docs" / "join.md"
 TOP_KEYS = {
     "schema", "state_dir", "step", "joined", "joined_at", "identity", "svid_expires_at", "svid_expires",
     "svid_expired", "last_verification", "kubernetes_version", "updated_at", "last_error", "state_error",
+    "after_join", "devid",
 }  # fmt: skip
+AFTER_JOIN_KEYS = {
+    "step", "done", "done_at", "attempts", "last_error", "spire_agent_unit", "spire_agent_started",
+}  # fmt: skip
+DEVID_KEYS = {"spiffe_id", "expires_at", "expires", "expired", "enrolled"}
 ERROR_KEYS = {
     "step", "message", "hint", "reason", "code", "permanent", "exit_status", "exit_class", "action",
     "attempts", "at",

@@ -11,11 +11,17 @@ no hand-made certificate. Then:
   whose /dev/tpm0 is the swtpm socket, found by the agent itself (the plugin tests' trick);
 * the real spire-agent attests with it to nodeserver and stays up through several agent SVID
   rotations (nodeserver's shortest agent SVID TTL, 1m): it never exits, its health endpoints answer
-  live and ready, and nodeserver's audit shows each re-attestation.
+  live and ready, and nodeserver's audit shows each re-attestation;
+* the agent.conf a node-pool release writes (docs/attestation.md), with the DevID files where the
+  image's spire-agent.service hands them over, attests to the stock spire-server and serves the
+  Workload API where workloads reach it.
 """
 
 from __future__ import annotations
 
+import shutil
+import stat
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +30,7 @@ import pytest
 
 from agent.attest_client import ServerTarget, attest
 from agent.devid_client import DevidFiles, Enrolled, attest_devid, enrol
-from tests.support.peers import PeerError
+from tests.support.peers import PeerError, run, spawn, stop
 from tests.support.server import ServerThread, server_config
 from tests.support.spire import (
     SpireAgent,
@@ -36,6 +42,7 @@ from tests.support.spire import (
 )
 from tests.support.swtpm import LocalCa, Swtpm, manufacture, missing_tools
 from tests.support.tpm_mntns import argv_prefix
+from tests.systemd.test_spire_agent_unit import CREDENTIALS, documented_agent_conf
 
 TD = "example.org"
 ROTATIONS = 3
@@ -217,3 +224,57 @@ def test_spire_agent_stays_healthy_against_nodeserver_through_rotations(node: No
     assert len(ok) >= 1 + ROTATIONS, attests
     assert all(line.get("attestor") == "tpm_devid" for line in ok)
     assert len({line.get("svid_serial") for line in ok}) == len(ok)  # a new SVID each time
+
+
+def test_the_release_agent_conf_attests_with_the_devid_the_unit_hands_over(
+    node: Node, spire_server: SpireServer
+) -> None:
+    """docs/attestation.md's agent.conf (what a node-pool release writes) with the real spire-agent.
+
+    Its paths are moved into this test's folders: the credentials folder holds copies of the DevID files,
+    as the unit's LoadCredential= makes them in /run/credentials/spire-agent.service/, the TPM is the
+    swtpm socket, and the Workload API socket's folder does not exist yet (the unit's RuntimeDirectory
+    does, its public/ subfolder does not): spire-agent makes it, reachable by every workload.
+    """
+    base = node.base / "release-conf"
+    creds = base / "credentials"
+    creds.mkdir(parents=True)
+    files = node.devids["rsa"].files
+    for path in (files.cert_path, files.priv_path, files.pub_path):
+        shutil.copy(path, creds / path.name)
+    run_dir = Path(tempfile.mkdtemp(prefix="nt-run-"))  # a short path: UNIX socket names are short
+    conf = documented_agent_conf()
+    for old, new in (
+        (CREDENTIALS, str(creds)),
+        ('"/dev/tpmrm0"', f'"{node.tpm.device_path}"'),
+        ('"/var/lib/spire-agent"', f'"{base / "data"}"'),
+        ('"/run/spire-agent/', f'"{run_dir}/'),
+        ('"/etc/spire/agent/bundle.pem"', f'"{node.base / "spire-bundle.pem"}"'),
+        ('"spire.example.org"', '"127.0.0.1"'),
+        ('"8081"', f'"{spire_server.port}"'),
+    ):
+        assert old in conf, old
+        conf = conf.replace(old, new)
+    assert f'trust_domain      = "{TD}"' in conf
+    (base / "agent.conf").write_text(conf)
+    (base / "data").mkdir()
+    log = base / "spire-agent.log"
+    proc = spawn([spire_binary("spire-agent"), "run", "-config", base / "agent.conf"], log_path=log)
+    try:
+        line = wait_for_line(
+            log,
+            r"Node attestation was successful",
+            proc=proc,
+            timeout=90,
+            fail_on=(r"Failed to retrieve attestation result", r"Agent crashed"),
+        )[0]
+        assert node.devids["rsa"].agent_id in line
+        wait_for_line(log, r"Starting Workload and SDS APIs", proc=proc, timeout=60)
+        socket = run_dir / "public" / "api.sock"
+        assert stat.S_IMODE((run_dir / "public").stat().st_mode) == 0o755
+        assert stat.S_ISSOCK(socket.stat().st_mode) and stat.S_IMODE(socket.stat().st_mode) == 0o777
+        health = run([spire_binary("spire-agent"), "healthcheck", "-socketPath", socket], check=False)
+        assert "Agent is healthy" in health.stdout, health.stdout + health.stderr
+    finally:
+        assert stop(proc) == 0
+        shutil.rmtree(run_dir, ignore_errors=True)

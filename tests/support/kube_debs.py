@@ -33,20 +33,16 @@ The layout is the upstream packages' (kubernetes/release ``cmd/krel/templates/la
 the fixture's stand-ins (kubeadm depends on kubelet, kubectl and cri-tools, as pkgs.k8s.io's 1.28-1.31
 packages did; since 1.32 upstream's kubeadm depends on nothing), so a definition resolves the same
 closure whichever kind the payload server serves. Stamped builds are cached in the machine's peer cache
-(``$NODETRUST_CACHE/peers/kube-stamped-*``, ``critools-stamped-*``), keyed on the build they re-link.
+(``$NODETRUST_CACHE/peers/kube-stamped-*``, ``critools-stamped-*``), keyed on the build they re-link
+(:func:`tests.support.peers.relink`).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.peers import ROOT, PeerError, bin_dir, run
+from tests.support.peers import bin_dir, relink
 
 KUBE_PEER_VERSION = "1.36.3"
 CRI_TOOLS_PEER_VERSION = "1.36.0"
@@ -103,11 +99,6 @@ class Link:
 Content = bytes | Path | Link  # bytes: the file's content; Path: a host file copied; Link: a symbolic link
 
 
-def _cache() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nodetrust"
-    return Path(os.environ.get("NODETRUST_CACHE") or default) / "peers"
-
-
 def _stamp_flags(version: str) -> str:
     major, minor, _ = version.split(".")
     flags = "-s -w"
@@ -120,50 +111,8 @@ def _stamp_flags(version: str) -> str:
 def _stamped(
     module: str, kind: str, version: str, tools: tuple[str, ...], flags: str, check: list[str]
 ) -> Path:
-    """``tools`` of ``interop/<module>`` linked again with ``flags``, cached; returns the bin folder."""
-    base = bin_dir(module)  # PeerError naming `make peers` when the module is not built
-    key = hashlib.sha256(f"{base}\0{version}\0{flags}\0{' '.join(tools)}".encode()).hexdigest()[:12]
-    out = _cache() / f"{kind}-v{version}-{key}"
-    if (out / ".complete").is_file():
-        return out / "bin"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with (out.parent / f".lock-{kind}-{version}").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out / ".complete").is_file():
-            return out / "bin"
-        tmp = Path(tempfile.mkdtemp(prefix=f".build-{kind}-", dir=out.parent))
-        try:
-            packages = [p for p in _tool_packages(module) if p.rsplit("/", 1)[-1] in tools]
-            script = (
-                '. interop/env.sh && cd "interop/$1" && shift && exec nice -n 19 go build -trimpath "$@"'
-            )
-            run(["sh", "-c", script, "sh", module, "-ldflags", flags, "-o", f"{tmp}/bin/", *packages],
-                env={"CGO_ENABLED": "0", "HOME": str(Path.home())}, timeout=1800)  # fmt: skip
-            said = run([tmp / "bin" / check[0], *check[1:]]).stdout.strip().splitlines()[0]
-            if version not in said:
-                raise PeerError(f"the stamped {check[0]} says {said!r}, not {version}")
-            (tmp / ".complete").write_text(f"{version} from {base}\n")
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out / "bin"
-
-
-def _tool_packages(module: str) -> list[str]:
-    lines = (ROOT / "interop" / module / "go.mod").read_text().splitlines()
-    found, block = [], False
-    for line in lines:
-        words = line.split()
-        if words[:2] == ["tool", "("]:
-            block = True
-        elif block and words[:1] == [")"]:
-            block = False
-        elif block and words:
-            found.append(words[0])
-        elif words[:1] == ["tool"] and len(words) == 2:
-            found.append(words[1])
-    return found
+    """``tools`` of ``interop/<module>`` linked again with ``flags`` (CGO off), cached: :func:`relink`."""
+    return relink(module, kind, version, tools, flags, check)
 
 
 def kube_binaries(version: str) -> Path:

@@ -17,7 +17,10 @@ Small, deterministic payloads with real SHA-256 pins for what a node image stage
 * ``/nvidia/deb/``: a signed flat apt repository of stand-ins for the NVIDIA stack, named ``*-standin``
   (:mod:`tests.support.nvidia_standins`), the kernel modules built for ``kernel``;
 * SPIRE agent 1.14.1 and the TPM attestor plugin 1.9.0: tarballs with the checksum files
-  their projects publish (unsigned);
+  their projects publish (unsigned). With ``real_kubernetes=True`` the SPIRE tarball holds the real
+  spire-agent of ``make peers`` (v1.13.3's source with 1.14.1 stamped as its version) in upstream's
+  layout, without spire-server (:mod:`tests.support.spire_release` says exactly what it is); otherwise
+  a stand-in;
 * OVN-Kubernetes 2.4.2: a tarball with a ``SHA256SUMS`` and a detached OpenPGP signature;
 * ``/extras/deb/``: a signed flat apt repository with two packages that misbehave on purpose,
   for the VM tests of the builder's diagnoses: ``nodetrust-fixture-fails`` (its postinst
@@ -53,7 +56,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.support import kube_debs, nvidia_standins, oci_images
+from tests.support import kube_debs, nvidia_standins, oci_images, spire_release
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET_KEY = Path(__file__).resolve().parent / "data" / "fixture-payload-signing.secret.asc"
@@ -64,7 +67,7 @@ REAL_PAYLOADS = (
 )  # real_kubernetes=True: the VM tier's and make demo's
 DEFAULT_PORT = 8765
 EPOCH = 1767225600  # 2026-01-01T00:00:00Z, every mtime in the payloads
-FORMAT = "5"  # bump when the payloads change
+FORMAT = "6"  # bump when the payloads change
 DEFAULT_KERNEL = (
     "6.1.0-50-amd64"  # the fixture installer's kernel when none is given (build.json's "kernel")
 )
@@ -72,7 +75,7 @@ DEFAULT_KERNEL = (
 KUBERNETES_VERSIONS = ("1.34.2", "1.35.3", "1.36.3", "1.37.2")
 DEB_REVISION = "1.1"
 KUBERNETES_CNI = "1.7.1"
-SPIRE_VERSION = "1.14.1"
+SPIRE_VERSION = spire_release.FIXTURE_SPIRE_VERSION
 TPM_PLUGIN_VERSION = "1.9.0"
 OVNK_VERSION = "2.4.2"
 OVNK_IMAGE = f"ghcr.io/ovn-kubernetes/ovn-kubernetes/ovn-kube-ubuntu:v{OVNK_VERSION}"
@@ -172,7 +175,8 @@ def _flat_repo(repo: Path, gnupghome: Path) -> None:
 # -- tarballs ----------------------------------------------------------------------------------------
 
 
-def _tarball(out: Path, members: dict[str, bytes]) -> Path:
+def _tarball(out: Path, members: dict[str, bytes], executables: set[str] | None = None) -> Path:
+    """A gzipped tar of ``members``; mode 0755 for ``executables`` (default: under bin/, or no dot in the name)."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
         dirs: set[str] = set()
@@ -187,7 +191,8 @@ def _tarball(out: Path, members: dict[str, bytes]) -> Path:
                     tar.addfile(info)
             info = tarfile.TarInfo(name)
             info.size, info.mtime = len(members[name]), EPOCH
-            info.mode = 0o755 if "/bin/" in name or "." not in name.rsplit("/", 1)[-1] else 0o644
+            guessed = "/bin/" in name or "." not in name.rsplit("/", 1)[-1]
+            info.mode = 0o755 if (guessed if executables is None else name in executables) else 0o644
             tar.addfile(info, io.BytesIO(members[name]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(gzip.compress(buffer.getvalue(), mtime=0))
@@ -341,15 +346,7 @@ def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = D
             )
             _flat_repo(extras, home)
 
-            spire = work / "spire" / f"v{SPIRE_VERSION}"
-            spire_tar = _tarball(
-                spire / f"spire-{SPIRE_VERSION}-linux-amd64-musl.tar.gz",
-                {
-                    f"spire-{SPIRE_VERSION}/bin/spire-agent": _standin("spire-agent", SPIRE_VERSION),
-                    f"spire-{SPIRE_VERSION}/conf/agent/agent.conf": b"# spire-agent configuration stand-in\n",
-                },
-            )
-            (spire / f"spire-{SPIRE_VERSION}-linux-amd64-musl_sha256sum.txt").write_text(_sums([spire_tar]))
+            spire_tarball(work / "spire" / f"v{SPIRE_VERSION}", real=real_kubernetes)
 
             plugin = work / "spire-tpm-plugin" / f"v{TPM_PLUGIN_VERSION}"
             plugin_tar = _tarball(
@@ -384,6 +381,19 @@ def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = D
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return root
+
+
+def spire_tarball(folder: Path, *, real: bool) -> Path:
+    """SPIRE's release tarball and its ``_sha256sum.txt`` in ``folder`` (``/spire/v<version>/``); returns the
+    tarball. ``real``: the real spire-agent, stamped with the fixture's version, in upstream's layout;
+    otherwise stand-ins (:mod:`tests.support.spire_release` says exactly what each is)."""
+    members = spire_release.release_members(
+        SPIRE_VERSION, real=real, standin=_standin("spire-agent", SPIRE_VERSION)
+    )
+    agent = f"spire-{SPIRE_VERSION}/bin/spire-agent"
+    tar = _tarball(folder / spire_release.tarball_name(SPIRE_VERSION), members, executables={agent})
+    (folder / f"spire-{SPIRE_VERSION}-linux-amd64-musl_sha256sum.txt").write_text(_sums([tar]))
+    return tar
 
 
 # -- the server -------------------------------------------------------------------------------------------------

@@ -7,6 +7,9 @@ Public API::
     binary(name: str) -> Path                # kubeadm, kubelet, kubectl, kube-apiserver,
                                              # kube-controller-manager, etcd
     bin_dir(module: str) -> Path             # ~/.cache/nodetrust/peers/<module>-<version>-<key>/bin
+    relink(module, kind, version, tools, flags, check, *, cgo=False) -> Path
+                                             # a module's tools linked again with other -ldflags
+                                             # (another version stamped), cached; their bin folder
     run(argv, *, netns=None, env=None, input=None, timeout=120.0, check=True)
         -> subprocess.CompletedProcess[str]  # stdin closed unless input; LANG=C
     spawn(argv, *, log: Path, netns=None, env=None, pass_fds=()) -> subprocess.Popen[bytes]
@@ -20,12 +23,16 @@ which remounts /sys and hides the cgroup mounts from a kubelet). A missing build
 
 from __future__ import annotations
 
+import fcntl
 import functools
+import hashlib
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -64,6 +71,73 @@ def bin_dir(module: str) -> Path:
     if proc.returncode != 0:
         raise PeerError(proc.stderr.strip() or f"interop/build.sh --bin {module} failed: run `make peers`")
     return Path(proc.stdout.strip())
+
+
+def _cache() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nodetrust"
+    return Path(os.environ.get("NODETRUST_CACHE") or default) / "peers"
+
+
+def relink(
+    module: str,
+    kind: str,
+    version: str,
+    tools: tuple[str, ...],
+    flags: str,
+    check: list[str],
+    *,
+    cgo: bool = False,
+) -> Path:
+    """``tools`` of ``interop/<module>`` built again with ``-ldflags flags``, cached; returns the bin folder.
+
+    The source is the module's pinned one (its go.sum, as ``make peers`` built it); ``check`` is a
+    command run in the new bin folder whose first line of output (stdout, else stderr) must name
+    ``version``. ``cgo``: build with ``CGO_ENABLED=1`` as the module's peer.conf may (then only the
+    link step runs again: the build cache holds every package ``make peers`` compiled).
+    """
+    base = bin_dir(module)  # PeerError naming `make peers` when the module is not built
+    keyed = f"{base}\0{version}\0{flags}\0{' '.join(tools)}" + ("\0cgo" if cgo else "")
+    key = hashlib.sha256(keyed.encode()).hexdigest()[:12]
+    out = _cache() / f"{kind}-v{version}-{key}"
+    if (out / ".complete").is_file():
+        return out / "bin"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with (out.parent / f".lock-{kind}-{version}").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / ".complete").is_file():
+            return out / "bin"
+        tmp = Path(tempfile.mkdtemp(prefix=f".build-{kind}-", dir=out.parent))
+        try:
+            packages = [p for p in _tool_packages(module) if p.rsplit("/", 1)[-1] in tools]
+            script = '. "$0/interop/env.sh" && cd "$0/interop/$1" && shift && exec nice -n 19 go build -trimpath "$@"'
+            run(["sh", "-c", script, ROOT, module, "-ldflags", flags, "-o", f"{tmp}/bin/", *packages],
+                env={"CGO_ENABLED": "1" if cgo else "0", "HOME": str(Path.home())}, timeout=1800)  # fmt: skip
+            done = run([tmp / "bin" / check[0], *check[1:]])
+            said = (done.stdout.strip() or done.stderr.strip()).splitlines()[0]
+            if version not in said:
+                raise PeerError(f"the stamped {check[0]} says {said!r}, not {version}")
+            (tmp / ".complete").write_text(f"{version} from {base}\n")
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out / "bin"
+
+
+def _tool_packages(module: str) -> list[str]:
+    lines = (ROOT / "interop" / module / "go.mod").read_text().splitlines()
+    found, block = [], False
+    for line in lines:
+        words = line.split()
+        if words[:2] == ["tool", "("]:
+            block = True
+        elif block and words[:1] == [")"]:
+            block = False
+        elif block and words:
+            found.append(words[0])
+        elif words[:1] == ["tool"] and len(words) == 2:
+            found.append(words[1])
+    return found
 
 
 def binary(name: str) -> Path:
