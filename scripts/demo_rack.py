@@ -10,7 +10,9 @@ network (started in the namespace, so it has no route anywhere else):
   service account that has the documented Role, the ``cpu`` pool (every node check fatal, the pool's
   label and taint, only the build's boot admitted);
 * the site NTP server (chronyd, port 123/udp) and the release server (HTTP, port 80; it also takes the
-  imager's events at ``/events``).
+  imager's events at ``/events``);
+* a stock spire-server v1.13.3 (``make peers``) with SPIRE's built-in ``tpm_devid`` attestor on 8090,
+  trusting nodeserver's DevID CA and the EK CA: the cluster's workload identity.
 
 The server (the VM: OVMF with its own NVRAM, an swtpm TPM with an EK certificate from a local EK CA)
 gets the image one of two ways:
@@ -25,7 +27,9 @@ gets the image one of two ways:
 
 Either way nothing in the guest is the demo's: cloud-init writes the pool's configuration and
 ``nodeagent.service`` does the rest, attests, checks, quotes the boot, asks to join, switches Kubernetes
-to the pool's version, runs the real ``kubeadm join``, and the kubelet registers the Node. The demo only
+to the pool's version, runs the real ``kubeadm join``, and the kubelet registers the Node; then the agent
+enrols a DevID with nodeserver and starts the image's spire-agent, which attests to the stock
+spire-server with it (``tpm_devid``, through the node's kernel TPM). The demo only
 watches from outside (the console, the server's audit log, the API server), then powers the server off
 and reads its disk: the agent's state and journal, the packages it installed and held.
 """
@@ -77,6 +81,38 @@ CNI_CONFIG = {
     ],
 }  # fmt: skip
 CNI_PATH = "/etc/cni/net.d/10-demo.conflist"
+SPIRE_TRUST_DOMAIN = "cluster.demo.nodetrust.test"
+SPIRE_AGENT_CONF, SPIRE_AGENT_BUNDLE = "/etc/spire/agent/agent.conf", "/etc/spire/agent/bundle.pem"
+SPIRE_AGENT_S = 600  # after the Node is Ready: the DevID enrolment and spire-agent's attestation (TCG)
+DEVID_CREDENTIALS = (
+    "/run/credentials/spire-agent.service"  # the unit's LoadCredential= copies (docs/attestation.md)
+)
+
+
+def spire_agent_conf(server: str, port: int) -> str:
+    """The SPIRE agent's configuration a node-pool release writes (docs/attestation.md, "After the join")."""
+    return f"""agent {{
+  data_dir          = "/var/lib/spire-agent"
+  log_level         = "INFO"
+  server_address    = "{server}"
+  server_port       = "{port}"
+  socket_path       = "/run/spire-agent/public/api.sock"
+  trust_bundle_path = "{SPIRE_AGENT_BUNDLE}"
+  trust_domain      = "{SPIRE_TRUST_DOMAIN}"
+}}
+plugins {{
+  NodeAttestor "tpm_devid" {{
+    plugin_data {{
+      tpm_device_path = "/dev/tpmrm0"
+      devid_cert_path = "{DEVID_CREDENTIALS}/devid.crt.pem"
+      devid_priv_path = "{DEVID_CREDENTIALS}/devid.priv.blob"
+      devid_pub_path  = "{DEVID_CREDENTIALS}/devid.pub.blob"
+    }}
+  }}
+  KeyManager "disk" {{ plugin_data {{ directory = "/var/lib/spire-agent" }} }}
+  WorkloadAttestor "unix" {{ plugin_data {{}} }}
+}}
+"""
 
 
 @dataclass
@@ -88,6 +124,7 @@ class Rack:
     server: Any  # tests.support.serverproc.ServerProcess
     ntp: Any  # tests.support.ntp.NtpServer
     http: Any  # tests.imager.server.ReleaseServer
+    spire: Any  # tests.support.spire.SpireServer
     releases: Path
     ek_ca: Any  # tests.support.swtpm.LocalCa
     stack: contextlib.ExitStack = field(repr=False, default_factory=contextlib.ExitStack)
@@ -187,8 +224,32 @@ def start_rack(work: Path, stack: contextlib.ExitStack, *, version: str, measure
     http = ReleaseServer(releases, sock=sock)
     stack.callback(http.close)
     print(f"  the release server: http://{GATEWAY}/ (its folder {releases}); the imager's events to /events")
+    spire = start_spire(work, stack, ns.name, ek_ca)
+    print(f"  spire-server v1.13.3 (stock, make peers): trust domain {SPIRE_TRUST_DOMAIN} on {GATEWAY}:"
+          f"{PORTS['spire']}, NodeAttestor tpm_devid trusting nodeserver's DevID CA and the EK CA")  # fmt: skip
     print(f"  the rack is up in {time.monotonic() - began:.0f} s")
-    return Rack(work, cp, server, ntp, http, releases, ek_ca)
+    return Rack(work, cp, server, ntp, http, spire, releases, ek_ca)
+
+
+def start_spire(work: Path, stack: contextlib.ExitStack, netns: str, ek_ca: Any) -> Any:
+    """A stock spire-server whose tpm_devid trusts nodeserver's DevID CA (``nodeserver devid-ca``)."""
+    from tests.support.peers import run
+    from tests.support.rack import PORTS
+    from tests.support.spire import SpireServer, devid_server_attestor
+
+    folder = work / "spire"
+    folder.mkdir()
+    devid_ca = folder / "devid-ca.pem"
+    exported = run([sys.executable, "-m", "server.cli", "devid-ca", "-c", work / "server" / "config.json"],
+                   env={"PYTHONPATH": str(ROOT)})  # fmt: skip
+    devid_ca.write_text(exported.stdout)
+    endorsement = folder / "ek-ca.pem"  # the EK vendors' CAs, issuers included
+    endorsement.write_bytes(ek_ca.root_cert.read_bytes() + ek_ca.issuer_cert.read_bytes())
+    spire = SpireServer(folder, SPIRE_TRUST_DOMAIN, devid_server_attestor(devid_ca, endorsement),
+                        port=PORTS["spire"], netns=netns, log_level="INFO")  # fmt: skip
+    spire.start()
+    stack.callback(spire.stop)
+    return spire
 
 
 def make_release(
@@ -205,6 +266,8 @@ def make_release(
     (work / "release.pub").write_bytes(public)
     (work / "bundle.pem").write_bytes(rack.server.bundle)
     (work / "cni.conflist").write_text(json.dumps(CNI_CONFIG, indent=2) + "\n")
+    (work / "spire-agent.conf").write_text(spire_agent_conf(GATEWAY, PORTS["spire"]))
+    (work / "spire-bundle.pem").write_bytes(rack.spire.bundle_pem())
     import yaml
 
     (work / "pool.yaml").write_text(yaml.safe_dump({"name": POOL, **VM_POOL, "join": JOIN}, sort_keys=False))
@@ -214,6 +277,9 @@ def make_release(
             "--trust-domain", TRUST_DOMAIN, "--bundle", str(work / "bundle.pem"), "--node-name", NODE_NAME,
             "--ntp", GATEWAY, "--pool-profile", str(work / "pool.yaml"),
             "--file", f"{CNI_PATH}={work / 'cni.conflist'}",
+            "--file", f"{SPIRE_AGENT_CONF}={work / 'spire-agent.conf'}",
+            "--file", f"{SPIRE_AGENT_BUNDLE}={work / 'spire-bundle.pem'}",
+            "--agent-setting", "devid_enrol=true", "--agent-setting", "spire_agent_unit=spire-agent.service",
             # the version switch installs debs under TCG: minutes; the agent's default deadline is for hardware
             "--agent-setting", "deadline_s=1200",
             "--hint", f"serial={TARGET_SERIAL}", "--events-url", f"http://{GATEWAY}/events",
@@ -351,14 +417,29 @@ def first_boot(rack: Rack, machine: Any, *, poll: Watch) -> float:
                 raise DemoError(f"no Ready Node {NODE_NAME} after {NODE_TIMEOUT_S} s: see {boot.console}")
             time.sleep(3)
         seconds = time.monotonic() - started
-        # the broker revokes the token when the agent reports the join: wait for that line before power-off
-        limit = time.monotonic() + 120
-        while not any(e.get("event") == "joined" for e in rack.audit()) and time.monotonic() < limit:
-            time.sleep(2)
+        print(f"  the Node is Ready {seconds:.0f} s after power-on", flush=True)
+        # then the agent enrols the DevID and starts spire-agent, which attests to spire-server with it
+        limit = time.monotonic() + SPIRE_AGENT_S
+        while not _spire_agents(rack) and time.monotonic() < limit and boot.running():
+            poll(boot)
+            time.sleep(3)
         poll(boot)
-        print(f"  the Node is Ready {seconds:.0f} s after power-on; pressing the power button", flush=True)
+        for agent in _spire_agents(rack):
+            print(f"  [spire-server] agent {agent.get('id', {}).get('path')} attested with "
+                  f"{agent.get('attestation_type')}", flush=True)  # fmt: skip
+        print("  pressing the power button", flush=True)
         boot.power_off(timeout=180)
     return seconds
+
+
+def _spire_agents(rack: Rack) -> list[dict[str, Any]]:
+    from tests.support.peers import PeerError
+
+    try:
+        agents: list[dict[str, Any]] = rack.spire.agents()
+    except (PeerError, ValueError):  # the server's CLI failed or said nothing readable: nothing attested yet
+        return []
+    return agents
 
 
 @dataclass
@@ -434,6 +515,7 @@ def read_node(disk: NodeDisk, work: Path) -> dict[str, Any]:
                   check=False, timeout=300)  # fmt: skip
         journal_text = got.stdout
     found["journal"] = journal_text
+    found["devid_cert"] = disk.read("/var/lib/nodeagent/devid/devid.crt.pem")
     return found
 
 
@@ -518,10 +600,36 @@ def verdict(
             problems.append(
                 f"the imager chose {events[1].get('disk')}, not the disk with serial {TARGET_SERIAL}"
             )
+    problems += _spire_problems(rack, kept)
     texts = [kept.get("journal") or ""] + [p.read_text(errors="replace") for p in logs if p.exists()]
     for text in texts:
         for token in leaked_tokens(text, token_ids):
             problems.append(f"a join token appears in a log: {token[:6]}.<redacted>")
+    return problems
+
+
+def _spire_problems(rack: Rack, kept: dict[str, Any]) -> list[str]:
+    """The node's spire-agent attested to the stock spire-server with tpm_devid, with the DevID nodeserver
+    issued and the node keeps; the same identity in both servers' words."""
+    import hashlib
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+
+    pem = kept.get("devid_cert")
+    if not pem:
+        return ["the node has no DevID certificate in /var/lib/nodeagent/devid"]
+    leaf = x509.load_pem_x509_certificates(pem.encode())[0]
+    digest = hashlib.sha1(leaf.public_bytes(Encoding.DER), usedforsecurity=False).hexdigest()
+    want = f"/spire/agent/tpm_devid/{digest}"
+    agents = _spire_agents(rack)
+    mine = [a for a in agents if a.get("id", {}).get("path") == want]
+    problems = []
+    if not mine or mine[0].get("attestation_type") != "tpm_devid":
+        problems.append(f"spire-server has no tpm_devid agent {want}: {[a.get('id') for a in agents]}")
+    issued = [e for e in rack.audit() if e.get("event") == "devid" and e.get("result") == "ok"]
+    if not any(str(e.get("devid_agent_id", "")).endswith(want) for e in issued):
+        problems.append(f"nodeserver's audit log has no DevID issued for {want}")
     return problems
 
 

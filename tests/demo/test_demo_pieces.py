@@ -115,6 +115,37 @@ class _Cluster:
         return subprocess.CompletedProcess(list(args), 0, self.left, "")
 
 
+class _Spire:
+    """spire-server's agent list (a test double of tests.support.spire.SpireServer.agents)."""
+
+    def __init__(self) -> None:
+        self.listed: list[dict[str, Any]] = []
+
+    def agents(self) -> list[dict[str, Any]]:
+        return self.listed
+
+
+def _devid() -> tuple[str, str]:
+    """A certificate in PEM and the tpm_devid path SPIRE gives it (SHA-1 of the leaf's DER)."""
+    import datetime as dt
+    import hashlib
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import Encoding
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "devid")])
+    now = dt.datetime.now(dt.UTC)
+    builder = x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+    builder = builder.serial_number(1).not_valid_before(now).not_valid_after(now + dt.timedelta(days=1))
+    cert = builder.sign(key, hashes.SHA256())
+    digest = hashlib.sha1(cert.public_bytes(Encoding.DER), usedforsecurity=False).hexdigest()
+    return cert.public_bytes(Encoding.PEM).decode(), f"/spire/agent/tpm_devid/{digest}"
+
+
 def _node(version: str = "1.35.3", ready: str = "True") -> dict[str, Any]:
     labels = {"nodetrust.io/pool": "cpu", "nodetrust.io/demo": "true", "example.com/rack": "r1"}
     return {
@@ -130,13 +161,18 @@ def _node(version: str = "1.35.3", ready: str = "True") -> dict[str, Any]:
 def test_the_verdict_reads_the_servers_the_clusters_and_the_nodes_records(tmp_path: Path) -> None:
     (tmp_path / "server" / "data").mkdir(parents=True)
     cluster = _Cluster()
-    rack = demo_rack.Rack(tmp_path, cluster, None, None, None, tmp_path / "releases", None)
+    spire = _Spire()
+    rack = demo_rack.Rack(tmp_path, cluster, None, None, None, spire, tmp_path / "releases", None)
     held = {
         n: {"version": "1.35.3-1.1", "status": "hold ok installed"}
         for n in ("kubeadm", "kubelet", "kubectl")
     }
+    devid_pem, devid_path = _devid()
     kept: dict[str, Any] = {"state": {"kubernetes_version": "1.35.3"}, "joined_marker": True, "packages": held,
-                            "journal": "nodeagent[1]: kubeadm join succeeded"}  # fmt: skip
+                            "journal": "nodeagent[1]: kubeadm join succeeded", "devid_cert": devid_pem}  # fmt: skip
+    spire.listed = [
+        {"id": {"trust_domain": "cluster.test", "path": devid_path}, "attestation_type": "tpm_devid"}
+    ]
     log = tmp_path / "console.log"
     log.write_text("nothing secret\n")
 
@@ -158,18 +194,30 @@ def test_the_verdict_reads_the_servers_the_clusters_and_the_nodes_records(tmp_pa
     join = {"event": "join", "result": "ok", "node_name": "demo-node-1", "pool": "cpu", "token_id": "abcdef",
             "verdict": "pass", "warned_checks": [], "release": "build-1"}  # fmt: skip
     joined = {"event": "joined", "result": "ok", "token_id": "abcdef", "token_revoked": True}
-    audit(attest, join)
+    devid = {"event": "devid", "result": "ok", "devid_agent_id": f"spiffe://demo.nodetrust.test{devid_path}"}
+    audit(attest, join, devid)
     assert any("revoked []" in p for p in verdict())  # never revoked by the node's report
     audit(attest, join, joined)
+    assert any("no DevID issued" in p for p in verdict())  # the node's DevID must be nodeserver's
+    audit(attest, join, joined, devid)
     assert verdict() == []
+    # the workload identity: the node's spire-agent attested to spire-server with tpm_devid and that DevID
+    spire.listed = [{**spire.listed[0], "attestation_type": "join_token"}]
+    assert any("no tpm_devid agent" in p for p in verdict())
+    spire.listed = [
+        {**spire.listed[0], "attestation_type": "tpm_devid", "id": {"path": "/spire/agent/tpm_devid/00"}}
+    ]
+    assert any("no tpm_devid agent" in p for p in verdict())
+    spire.listed = [{"id": {"path": devid_path}, "attestation_type": "tpm_devid"}]
+    assert any("no DevID certificate" in p for p in verdict(kept={**kept, "devid_cert": None}))
     cluster.left = "secret/bootstrap-token-abcdef"
     assert any("still in the cluster" in p for p in verdict())
     cluster.left = ""
-    audit(attest, {**join, "warned_checks": ["node.time_sync"]}, joined)
+    audit(attest, {**join, "warned_checks": ["node.time_sync"]}, joined, devid)
     assert any("did not pass every check" in p for p in verdict())
-    audit(attest, {**join, "release": "another"}, joined)
+    audit(attest, {**join, "release": "another"}, joined, devid)
     assert any("not the build 'build-1'" in p for p in verdict())
-    audit(attest, join, joined)
+    audit(attest, join, joined, devid)
     # the Node: Ready, the pool's labels and taint, the pool's kubelet
     assert any("is not Ready" in p for p in verdict(node=_node(ready="False")))
     assert any("not the pool's v1.35.3" in p for p in verdict(node=_node(version="1.36.3")))

@@ -128,6 +128,9 @@ class SpireServer:
     svid_ttl: str = "1h"
     log_level: str = "DEBUG"
     port: int = 0
+    netns: str | None = (
+        None  # run inside /run/netns/<netns> (a rack's, tests/support/rack.py); port then given
+    )
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _sock_dir: Path | None = field(default=None, repr=False)
 
@@ -168,7 +171,9 @@ class SpireServer:
         self.port = self.port or free_port()
         conf = self.dir / "server.conf"
         conf.write_text(self.config())
-        self.proc = spawn([spire_binary("spire-server"), "run", "-config", conf], log_path=self.log_path)
+        self.proc = spawn(
+            [spire_binary("spire-server"), "run", "-config", conf], log_path=self.log_path, netns=self.netns
+        )
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -193,6 +198,12 @@ class SpireServer:
 
     def bundle_pem(self) -> bytes:
         return self.cli("bundle", "show").stdout.encode()
+
+    def agents(self) -> list[dict[str, Any]]:
+        """``spire-server agent list -output json``: every attested agent's record."""
+        doc: dict[str, Any] = json.loads(self.cli("agent", "list", "-output", "json").stdout or "{}")
+        agents: list[dict[str, Any]] = doc.get("agents") or []
+        return agents
 
     def agent_show(self, spiffe_id: str) -> dict[str, Any]:
         """``spire-server agent show -output json``: the agent's record (selectors, attestation type)."""
