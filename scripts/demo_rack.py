@@ -153,15 +153,23 @@ def _ns_kubeconfig(identity_kubeconfig: Path, out: Path) -> Path:
     return out
 
 
-def start_rack(work: Path, stack: contextlib.ExitStack, *, version: str, measurements: Path | None) -> Rack:
-    """The control plane, nodeserver, the NTP server and the release server, in one namespace."""
+def start_rack(
+    work: Path,
+    stack: contextlib.ExitStack,
+    *,
+    version: str,
+    measurements: Path | None,
+    ek_ca: Any,
+    spire: bool,
+) -> Rack:
+    """The control plane, nodeserver, the NTP server, the release server and (``spire``) spire-server, in one
+    namespace; ``ek_ca``: the CA of the servers' EK certificates (tests.support.swtpm.LocalCa)."""
     from tests.imager.server import ReleaseServer
     from tests.support.control_plane import ControlPlane
     from tests.support.kube_identities import service_account
     from tests.support.ntp import NtpServer
     from tests.support.rack import GATEWAY, PORTS
     from tests.support.serverproc import ServerProcess
-    from tests.support.swtpm import LocalCa
 
     began = time.monotonic()
     cp = ControlPlane.start(
@@ -173,8 +181,6 @@ def start_rack(work: Path, stack: contextlib.ExitStack, *, version: str, measure
     print(f"  the control plane: etcd, kube-apiserver and kube-controller-manager v{version}, ready in "
           f"{cp.started_in_s:.0f} s; on the host: kubectl --kubeconfig {cp.admin_kubeconfig}")  # fmt: skip
 
-    ek_ca = LocalCa(work / "ek-ca")
-    (work / "ek-ca").chmod(0o700)
     ek_ca.install_into(work / "server" / "ek-ca")
     who = service_account(cp, "nodeserver-demo", work)
     tokens_kubeconfig = _ns_kubeconfig(who.kubeconfig, work / "server" / "kubernetes.kubeconfig")
@@ -224,11 +230,13 @@ def start_rack(work: Path, stack: contextlib.ExitStack, *, version: str, measure
     http = ReleaseServer(releases, sock=sock)
     stack.callback(http.close)
     print(f"  the release server: http://{GATEWAY}/ (its folder {releases}); the imager's events to /events")
-    spire = start_spire(work, stack, ns.name, ek_ca)
-    print(f"  spire-server v1.13.3 (stock, make peers): trust domain {SPIRE_TRUST_DOMAIN} on {GATEWAY}:"
-          f"{PORTS['spire']}, NodeAttestor tpm_devid trusting nodeserver's DevID CA and the EK CA")  # fmt: skip
+    spire_server = None
+    if spire:
+        spire_server = start_spire(work, stack, ns.name, ek_ca)
+        print(f"  spire-server v1.13.3 (stock, make peers): trust domain {SPIRE_TRUST_DOMAIN} on {GATEWAY}:"
+              f"{PORTS['spire']}, NodeAttestor tpm_devid trusting nodeserver's DevID CA and the EK CA")  # fmt: skip
     print(f"  the rack is up in {time.monotonic() - began:.0f} s")
-    return Rack(work, cp, server, ntp, http, spire, releases, ek_ca)
+    return Rack(work, cp, server, ntp, http, spire_server, releases, ek_ca)
 
 
 def start_spire(work: Path, stack: contextlib.ExitStack, netns: str, ek_ca: Any) -> Any:
@@ -266,8 +274,13 @@ def make_release(
     (work / "release.pub").write_bytes(public)
     (work / "bundle.pem").write_bytes(rack.server.bundle)
     (work / "cni.conflist").write_text(json.dumps(CNI_CONFIG, indent=2) + "\n")
-    (work / "spire-agent.conf").write_text(spire_agent_conf(GATEWAY, PORTS["spire"]))
-    (work / "spire-bundle.pem").write_bytes(rack.spire.bundle_pem())
+    spire: list[str] = []
+    if rack.spire is not None:  # the SPIRE agent's configuration, and the agent told to enrol and start it
+        (work / "spire-agent.conf").write_text(spire_agent_conf(GATEWAY, PORTS["spire"]))
+        (work / "spire-bundle.pem").write_bytes(rack.spire.bundle_pem())
+        spire = ["--file", f"{SPIRE_AGENT_CONF}={work / 'spire-agent.conf'}",
+                 "--file", f"{SPIRE_AGENT_BUNDLE}={work / 'spire-bundle.pem'}",
+                 "--agent-setting", "devid_enrol=true", "--agent-setting", "spire_agent_unit=spire-agent.service"]  # fmt: skip
     import yaml
 
     (work / "pool.yaml").write_text(yaml.safe_dump({"name": POOL, **VM_POOL, "join": JOIN}, sort_keys=False))
@@ -277,9 +290,7 @@ def make_release(
             "--trust-domain", TRUST_DOMAIN, "--bundle", str(work / "bundle.pem"), "--node-name", NODE_NAME,
             "--ntp", GATEWAY, "--pool-profile", str(work / "pool.yaml"),
             "--file", f"{CNI_PATH}={work / 'cni.conflist'}",
-            "--file", f"{SPIRE_AGENT_CONF}={work / 'spire-agent.conf'}",
-            "--file", f"{SPIRE_AGENT_BUNDLE}={work / 'spire-bundle.pem'}",
-            "--agent-setting", "devid_enrol=true", "--agent-setting", "spire_agent_unit=spire-agent.service",
+            *spire,
             # the version switch installs debs under TCG: minutes; the agent's default deadline is for hardware
             "--agent-setting", "deadline_s=1200",
             "--hint", f"serial={TARGET_SERIAL}", "--events-url", f"http://{GATEWAY}/events",
@@ -420,7 +431,12 @@ def first_boot(rack: Rack, machine: Any, *, poll: Watch) -> float:
         print(f"  the Node is Ready {seconds:.0f} s after power-on", flush=True)
         # then the agent enrols the DevID and starts spire-agent, which attests to spire-server with it
         limit = time.monotonic() + SPIRE_AGENT_S
-        while not _spire_agents(rack) and time.monotonic() < limit and boot.running():
+        while (
+            rack.spire is not None
+            and not _spire_agents(rack)
+            and time.monotonic() < limit
+            and boot.running()
+        ):
             poll(boot)
             time.sleep(3)
         poll(boot)
@@ -600,7 +616,8 @@ def verdict(
             problems.append(
                 f"the imager chose {events[1].get('disk')}, not the disk with serial {TARGET_SERIAL}"
             )
-    problems += _spire_problems(rack, kept)
+    if rack.spire is not None:
+        problems += _spire_problems(rack, kept)
     texts = [kept.get("journal") or ""] + [p.read_text(errors="replace") for p in logs if p.exists()]
     for text in texts:
         for token in leaked_tokens(text, token_ids):
@@ -648,29 +665,41 @@ def rack_chain(
     from tests.support.kube_debs import control_plane_binaries
     from tests.support.peers import run
     from tests.support.rack import Disk, Server
-    from tests.support.swtpm import manufacture
+    from tests.support.swtpm import LocalCa, manufacture
 
     measured = folder / "boot-measurements.json"
+    enabled = ((manifest.get("contents") or {}).get("node") or {}).get("enabled") or []
+    spire = "spire-agent.service" in enabled
     with contextlib.ExitStack() as stack:
-        step(2, "The rack: a network namespace with the management side; servers reach it as 10.0.2.2")
-        rack = start_rack(
-            work, stack, version=version, measurements=measured if measured.is_file() else None
+        step(
+            2,
+            "The server's TPM: an swtpm state with an EK certificate from a local EK CA (its manufacturer)",
         )
+        ek_ca = LocalCa(work / "ek-ca")
+        manufacture(work / "tpm", ek_ca)
+        for private in (work / "ek-ca", work / "tpm"):
+            private.chmod(0o700)
+        print(
+            f"  manufactured {work / 'tpm'}; the server's firmware and kernel reach it through swtpm's socket"
+        )
+        if not spire:
+            print(
+                "  this image ships no spire-agent.service: the workload-identity step (DevID, SPIRE) is left out"
+            )
+
+        step(3, "The rack: a network namespace with the management side; servers reach it as 10.0.2.2")
+        rack = start_rack(work, stack, version=version, measurements=measured if measured.is_file() else None,
+                          ek_ca=ek_ca, spire=spire)  # fmt: skip
 
         step(
-            3,
+            4,
             "The release set: the iPXE script, the imager, the image and the node pool's cloud-init, signed",
         )
         bootenv = imager_bootenv()
         kubeadm = control_plane_binaries(version) / "kubeadm"
         release, _info = make_release(rack, folder, build_pub, bootenv=bootenv, kubeadm=kubeadm, ipxe=ipxe)
 
-        step(
-            4,
-            "The server: UEFI firmware with its own NVRAM, a TPM with an EK certificate from the local EK CA",
-        )
-        manufacture(work / "tpm", rack.ek_ca)
-        (work / "tpm").chmod(0o700)
+        step(5, "The server: UEFI firmware with its own NVRAM, that TPM, its disks")
         vm = work / "server-vm"
         vm.mkdir(mode=0o700)
         image = next(folder.glob("*.qcow2"))
@@ -685,7 +714,8 @@ def rack_chain(
                   f"{OTHER_SERIAL} ({OTHER_GIB} GiB); accelerator {accel}")  # fmt: skip
             machine = Server(vm, tpm_state=work / "tpm", disks=disks, accel=accel)
             step(
-                5, "Provisioning: iPXE -> the imager -> the verified image on the hinted disk -> boot entry"
+                "5a",
+                "Provisioning: iPXE -> the imager -> the verified image on the hinted disk -> boot entry",
             )
             events = provision(rack, release, machine, poll=poll)
             node_disk, fmt = disks[0].path, "raw"
