@@ -58,6 +58,10 @@ TARGET_SERIAL, OTHER_SERIAL = "NODE0TARGET", "NODE1OTHER"
 TARGET_GIB, OTHER_GIB = 8, 4
 NODE_TIMEOUT_S = 1800  # boot, cloud-init, attest, checks, the version switch (apt under TCG), kubeadm, Ready
 IMAGER_TIMEOUT_S = 1500
+IMAGER_FAILED = re.compile(r"nodeimager-boot: nodeimager exited with status [1-9]\d*.*")
+# The imager holds a QCOW2 in memory while it checks it (the fixture's is about 1.5 GB): its tmpfs is half
+# the memory. The node itself needs less, but a real server has one size.
+MEMORY_MIB = 5120
 CONSOLE = re.compile(
     r"Linux version \S+|Reached target (Multi-User System|Cloud-init target)|Cloud-init v\. \S+ finished"
     r"|Started (nodeagent|kubelet|containerd)\S*|nodeimager(-boot)?: .*|nodetrust: .*|iPXE initiali[sz]ing.*"
@@ -375,6 +379,11 @@ def provision(rack: Rack, release: Path, machine: Any, *, poll: Watch) -> list[d
         deadline = time.monotonic() + IMAGER_TIMEOUT_S
         while boot.running():
             poll(boot)
+            failed = IMAGER_FAILED.search(boot.text())
+            if (
+                failed
+            ):  # the imager's init stops in a shell for the operator: no need to wait for the deadline
+                raise DemoError(f"the imager failed: {failed.group(0)}; its console: {boot.console}")
             if time.monotonic() > deadline:
                 raise DemoError(f"the imager did not finish in {IMAGER_TIMEOUT_S} s: see {boot.console}")
             time.sleep(2)
@@ -712,7 +721,7 @@ def rack_chain(
                     fh.truncate(gib << 30)
             print(f"  two empty disks: serial {TARGET_SERIAL} ({TARGET_GIB} GiB, the release's hint) and "
                   f"{OTHER_SERIAL} ({OTHER_GIB} GiB); accelerator {accel}")  # fmt: skip
-            machine = Server(vm, tpm_state=work / "tpm", disks=disks, accel=accel)
+            machine = Server(vm, tpm_state=work / "tpm", disks=disks, accel=accel, memory_mib=MEMORY_MIB)
             step(
                 "5a",
                 "Provisioning: iPXE -> the imager -> the verified image on the hinted disk -> boot entry",
@@ -737,7 +746,7 @@ def rack_chain(
             print(f"  its disk: the image {image.name} (a copy-on-write overlay, serial {TARGET_SERIAL}); the node "
                   f"pool's cloud-init (the release's worker.user-data) on a CIDATA disk; accelerator {accel}")  # fmt: skip
             disks = [Disk(overlay, TARGET_SERIAL, "qcow2"), Disk(seed, "CIDATA")]
-            machine = Server(vm, tpm_state=work / "tpm", disks=disks, accel=accel)
+            machine = Server(vm, tpm_state=work / "tpm", disks=disks, accel=accel, memory_mib=MEMORY_MIB)
             node_disk, fmt = overlay, "qcow2"
 
         step(6, "First boot: cloud-init writes the pool's configuration; nodeagent attests, checks, joins")
