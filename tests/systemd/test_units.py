@@ -141,7 +141,7 @@ def test_units_are_vendor_files() -> None:
     "forbidden",
     ["User", "DynamicUser", "ProtectSystem", "PrivateDevices", "DeviceAllow", "DevicePolicy", "ProtectClock",
      "ProtectKernelLogs", "ProtectKernelModules", "MemoryDenyWriteExecute", "PrivateNetwork",
-     "CapabilityBoundingSet", "WatchdogSec"],
+     "CapabilityBoundingSet", "WatchdogSec", "ProtectControlGroups"],
 )  # fmt: skip
 def test_no_hardening_that_breaks_tpm_gpu_or_kubeadm(unit: Unit, forbidden: str) -> None:
     assert forbidden not in unit["Service"], (
@@ -234,7 +234,6 @@ def test_systemd_analyze_security_sees_the_hardening(unit_root: Path) -> None:
         "PrivateTmp",
         "ProtectHome",
         "ProtectKernelTunables",
-        "ProtectControlGroups",
         "RestrictSUIDSGID",
         "RestrictRealtime",
         "LockPersonality",
