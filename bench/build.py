@@ -71,13 +71,10 @@ class Run:
 
 
 def definition(tmp: Path, *, drop_newest_staged: bool) -> Path:
+    from tests.support.definitions import absolute_paths
+
     data = yaml.safe_load(EXAMPLE.read_text())
-    data["agent"]["source"] = str(ROOT)
-    repo = data["kubernetes"]["repository"]
-    repo["keyring"] = str(ROOT / "examples" / repo["keyring"])
-    for artifact in data["artifacts"]:
-        if "keyring" in artifact.get("checksums", {}):
-            artifact["checksums"]["keyring"] = str(ROOT / "examples" / artifact["checksums"]["keyring"])
+    absolute_paths(data, EXAMPLE.parent)
     if drop_newest_staged:
         data["kubernetes"]["staged"] = data["kubernetes"]["staged"][:-1]
     folder = tmp / ("incremental" if drop_newest_staged else "full")

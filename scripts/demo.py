@@ -122,18 +122,10 @@ def _definition_variant(example: Path, out: Path, iso_url: str | None) -> Path:
     """``example`` with its relative paths made absolute (and the ISO URL replaced), written to ``out``."""
     import yaml
 
+    from tests.support.definitions import absolute_paths
+
     data = yaml.safe_load(example.read_text())
-    data["agent"]["source"] = str((example.parent / data["agent"]["source"]).resolve())
-    repo = data.get("kubernetes", {}).get("repository", {})
-    if "keyring" in repo:
-        repo["keyring"] = str((example.parent / repo["keyring"]).resolve())
-    for artifact in data.get("artifacts", []):
-        checksums = artifact.get("checksums", {})
-        if "keyring" in checksums:
-            checksums["keyring"] = str((example.parent / checksums["keyring"]).resolve())
-    for source in data.get("apt_sources", []):
-        if "keyring" in source and not source["keyring"].startswith("/"):
-            source["keyring"] = str((example.parent / source["keyring"]).resolve())
+    absolute_paths(data, example.parent)
     if iso_url is not None:
         data["installer"]["iso"]["url"] = iso_url
         data["installer"]["iso"].pop("mirrors", None)

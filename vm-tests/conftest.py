@@ -30,6 +30,7 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.support.definitions import absolute_paths  # noqa: E402
 from tests.support.payload_server import REAL_PAYLOADS, PayloadServer, build_payloads  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "fixture-node.yaml"
@@ -144,26 +145,11 @@ def imagebuilder(env: Env, *args: str, timeout: float = 3600) -> subprocess.Comp
     )
 
 
-def _absolute_keyrings(node: Any) -> None:
-    """Every relative ``keyring`` of the example (apt sources, Kubernetes, checksum files, wherever the
-    definition grows one) made absolute: the variant is written elsewhere than examples/."""
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key == "keyring" and isinstance(value, str) and not value.startswith(("/", "$")):
-                node[key] = str(REPO / "examples" / value)
-            else:
-                _absolute_keyrings(value)
-    elif isinstance(node, list):
-        for item in node:
-            _absolute_keyrings(item)
-
-
 def variant(tmp: Path, change: dict[str, Any]) -> Path:
     """examples/fixture-node.yaml with changes, written where the test wants it (paths made absolute)."""
     data = yaml.safe_load(EXAMPLE.read_text())
     data = copy.deepcopy(data)
-    data["agent"]["source"] = str(REPO)
-    _absolute_keyrings(data)
+    absolute_paths(data, EXAMPLE.parent)
     for key, value in change.items():
         if key.endswith("+"):
             data[key[:-1]] = [*data.get(key[:-1], []), *value]

@@ -251,3 +251,39 @@ def test_an_oversized_definition_is_refused_before_parsing(tmp_path: Path) -> No
     path.write_bytes(b"name: x\n" + b"#" * MAX_DEFINITION_BYTES)
     with pytest.raises(DefinitionError, match="larger than 1024 KiB"):
         load_definition(path)
+
+
+@pytest.mark.parametrize("example", ["fixture-node.yaml", "ubuntu-2404-node.yaml"])
+def test_an_example_written_elsewhere_keeps_every_file_it_names(example: str, tmp_path: Path) -> None:
+    """The VM tier, make demo and bench/build.py write variants of the examples into their own folders
+    (tests/support/definitions.py): every relative path must follow, whatever key the definition grows."""
+    from tests.support.definitions import absolute_paths
+
+    path_keys = ("keyring", "source")  # every key of a definition that names a file or folder
+
+    source = Path(__file__).resolve().parents[2] / "examples" / example
+    data = yaml.safe_load(source.read_text())
+
+    def paths(node: object) -> list[str]:
+        if isinstance(node, dict):
+            return [v for k, v in node.items() if k in path_keys and isinstance(v, str)] + [
+                p for v in node.values() for p in paths(v)
+            ]
+        return [p for v in node for p in paths(v)] if isinstance(node, list) else []
+
+    relative = [p for p in paths(data) if not p.startswith(("/", "$")) and "://" not in p]
+    absolute_paths(data, source.parent)
+    moved = tmp_path / "elsewhere" / example
+    moved.parent.mkdir()
+    moved.write_text(yaml.safe_dump(data, sort_keys=False))
+    environ = {
+        "IMAGEBUILDER_PAYLOADS": "http://127.0.0.1:8765",
+        "IMAGEBUILDER_FIXTURE_ISO": str(tmp_path / "x.iso"),
+    }
+    load_definition(moved, environ=environ)
+    after = paths(data)
+    assert relative and all(str((source.parent / p).resolve()) in after for p in relative), (relative, after)
+    # the example's own files (not the keys a user fetches first, docs/building-images.md) are found from there
+    shipped = [p for p in relative if (source.parent / p).exists()]
+    assert shipped and all((source.parent / p).resolve().exists() for p in shipped)
+    assert not [p for p in after if not p.startswith(("/", "$")) and "://" not in p], after
