@@ -177,7 +177,7 @@ def start_rack(
 
     began = time.monotonic()
     cp = ControlPlane.start(
-        work / "cluster", kubelet_config=NODE_KUBELET_CONFIG, version=version, cert_sans=(GATEWAY,)
+        work / "cluster", kubelet_config=NODE_KUBELET_CONFIG, version=version, endpoint_host=GATEWAY
     )
     stack.callback(cp.stop)
     ns = cp.ns

@@ -7,10 +7,11 @@ Public API::
         work: Path; ns: NetNamespace; host_port: int; started_in_s: float
         @classmethod
         def start(cls, work: Path, *, port: int = 0, kubelet_config: dict | None = None,
-                  version: str = "1.36.3", cert_sans: tuple[str, ...] = ()) -> ControlPlane
+                  version: str = "1.36.3", cert_sans: tuple[str, ...] = (),
+                  endpoint_host: str = "127.0.0.1") -> ControlPlane
         def stop(self) -> None                       # API server first, waited for; then etcd
         host_url -> str                              # https://127.0.0.1:<host_port> (forwarded)
-        endpoint -> str                              # 127.0.0.1:6443, inside ns (what kubeadm joins)
+        endpoint -> str                              # <endpoint_host>:6443, inside ns (what kubeadm joins)
         ca_cert -> Path; pki -> Path
         admin_kubeconfig -> Path                     # system:masters, for the host
         ns_admin_kubeconfig -> Path                  # the same, for use inside ns
@@ -36,8 +37,11 @@ on 127.0.0.1:<host_port>; the serving certificate carries 127.0.0.1, so TLS veri
 ``version``: another release than the peers' v1.36.3 runs the same source linked again with that version
 stamped (tests/support/kube_debs.py: kube-apiserver, kube-controller-manager, kubeadm and kubectl say that
 version; the code is 1.36.3's), so a cluster "on 1.35.3" is one kubeadm and the kubelets see as 1.35.3.
-``cert_sans``: more addresses in the serving certificate, e.g. the racked servers' gateway
-(tests/support/rack.py), where the API server is reachable for them.
+``cert_sans``: more addresses in the serving certificate. ``endpoint_host``: the control plane's
+endpoint (kubeadm's ``controlPlaneEndpoint``, which ``cluster-info`` names and every joining node then
+talks to), 127.0.0.1 by default; another address is added to the namespace's ``lo`` and the API server
+binds every address of the namespace (only ``lo``): the racked servers' gateway ``10.0.2.2``
+(tests/support/rack.py), where they reach the namespace's loopback, is such an endpoint.
 """
 
 from __future__ import annotations
@@ -81,7 +85,11 @@ KUBELET_CONFIG: dict[str, Any] = {
 
 
 def _kubeadm_config(
-    work: Path, kubelet_config: dict[str, Any], version: str = KUBE_VERSION, cert_sans: tuple[str, ...] = ()
+    work: Path,
+    kubelet_config: dict[str, Any],
+    version: str = KUBE_VERSION,
+    cert_sans: tuple[str, ...] = (),
+    endpoint_host: str = "127.0.0.1",
 ) -> str:
     init = {
         "apiVersion": "kubeadm.k8s.io/v1beta4",
@@ -102,10 +110,10 @@ def _kubeadm_config(
         "apiVersion": "kubeadm.k8s.io/v1beta4",
         "kind": "ClusterConfiguration",
         "kubernetesVersion": version,
-        "controlPlaneEndpoint": f"127.0.0.1:{API_PORT}",
+        "controlPlaneEndpoint": f"{endpoint_host}:{API_PORT}",
         "certificatesDir": str(work / "pki"),
         "networking": {"serviceSubnet": "10.96.0.0/12", "dnsDomain": "cluster.local"},
-        "apiServer": {"certSANs": ["127.0.0.1", "localhost", *cert_sans]},
+        "apiServer": {"certSANs": sorted({"127.0.0.1", "localhost", endpoint_host, *cert_sans})},
         "etcd": {"local": {"dataDir": str(work / "etcd-data")}},
     }
     return yaml.safe_dump_all([init, cluster, kubelet_config], sort_keys=False)
@@ -135,12 +143,12 @@ def _etcd_argv(work: Path) -> list[str | Path]:
     ]
 
 
-def _apiserver_argv(work: Path, bin_dir: Path) -> list[str | Path]:
+def _apiserver_argv(work: Path, bin_dir: Path, bind: str = "127.0.0.1") -> list[str | Path]:
     p = work / "pki"
     return [
         bin_dir / "kube-apiserver",
         f"--advertise-address={ADDRESS}",
-        "--bind-address=127.0.0.1",
+        f"--bind-address={bind}",
         f"--secure-port={API_PORT}",
         "--allow-privileged=true",
         "--authorization-mode=Node,RBAC",
@@ -203,10 +211,17 @@ def _control_plane_binaries(version: str) -> Path:
 
 
 class ControlPlane:
-    def __init__(self, work: Path, ns: NetNamespace, version: str = KUBE_VERSION.removeprefix("v")) -> None:
+    def __init__(
+        self,
+        work: Path,
+        ns: NetNamespace,
+        version: str = KUBE_VERSION.removeprefix("v"),
+        endpoint_host: str = "127.0.0.1",
+    ) -> None:
         self.work = work
         self.ns = ns
         self.version = version
+        self.endpoint_host = endpoint_host
         self.bin_dir = _control_plane_binaries(version)
         self.host_port = 0
         self.started_in_s = 0.0
@@ -224,7 +239,7 @@ class ControlPlane:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{API_PORT}"
+        return f"{self.endpoint_host}:{API_PORT}"
 
     @property
     def host_url(self) -> str:
@@ -251,6 +266,7 @@ class ControlPlane:
         kubelet_config: dict[str, Any] | None = None,
         version: str = KUBE_VERSION.removeprefix("v"),
         cert_sans: tuple[str, ...] = (),
+        endpoint_host: str = "127.0.0.1",
     ) -> ControlPlane:
         """Bring up a control plane under ``work`` (created 0700); the host side listens on ``port`` (0: any)."""
         begun = time.monotonic()
@@ -260,7 +276,7 @@ class ControlPlane:
         binaries = _control_plane_binaries(version)  # PeerError naming `make peers` before anything starts
         del binaries
         ns = NetNamespace.create()
-        cp = cls(work, ns, version)
+        cp = cls(work, ns, version, endpoint_host)
         try:
             cp._start(port, kubelet_config if kubelet_config is not None else KUBELET_CONFIG, cert_sans)
         except BaseException:
@@ -271,7 +287,12 @@ class ControlPlane:
 
     def _start(self, port: int, kubelet_config: dict[str, Any], cert_sans: tuple[str, ...]) -> None:
         config = self.work / "kubeadm.yaml"
-        config.write_text(_kubeadm_config(self.work, kubelet_config, f"v{self.version}", cert_sans))
+        host = self.endpoint_host
+        config.write_text(_kubeadm_config(self.work, kubelet_config, f"v{self.version}", cert_sans, host))
+        if (
+            host != "127.0.0.1"
+        ):  # the endpoint's address on the namespace's lo, where the API server binds too
+            run(["ip", "addr", "add", f"{host}/32", "dev", "lo"], netns=self.ns.name)
         self.kubeadm("init", "phase", "certs", "all", f"--config={config}")
         for kind in ("super-admin", "controller-manager"):
             self.kubeadm(
@@ -295,7 +316,8 @@ class ControlPlane:
         self.admin_kubeconfig.chmod(0o600)
 
         self._spawn("etcd", _etcd_argv(self.work))
-        self._spawn("kube-apiserver", _apiserver_argv(self.work, self.bin_dir))
+        bind = "127.0.0.1" if self.endpoint_host == "127.0.0.1" else "0.0.0.0"
+        self._spawn("kube-apiserver", _apiserver_argv(self.work, self.bin_dir, bind))
         self.wait_for("kube-apiserver /readyz", self._ready, timeout=_START_TIMEOUT)
         self._spawn("kube-controller-manager", _controller_manager_argv(self.work, self.bin_dir))
         k = f"--kubeconfig={self.ns_admin_kubeconfig}"
