@@ -67,11 +67,14 @@ CONSOLE = re.compile(
     r"|Started (nodeagent|kubelet|containerd)\S*|nodeimager(-boot)?: .*|nodetrust: .*|iPXE initiali[sz]ing.*"
     r"|BdsDxe: (loading|starting) .*"
 )
-# The VM's kubelet: systemd's cgroups (the image's containerd uses them), as kubeadm's defaults say.
+# The VM's kubelet: systemd's cgroups (the image's containerd uses them), as kubeadm's defaults say, and the
+# cluster CA where kubeadm join writes it on every node (kubeadm's default is the control plane's
+# certificatesDir, here a folder of the demo's on the host, not a path a node has).
 NODE_KUBELET_CONFIG: dict[str, Any] = {
     "apiVersion": "kubelet.config.k8s.io/v1beta1",
     "kind": "KubeletConfiguration",
     "cgroupDriver": "systemd",
+    "authentication": {"x509": {"clientCAFile": "/etc/kubernetes/pki/ca.crt"}},
 }
 # The node's pod network: a bridge on the node, as a CNI plugin's DaemonSet would install it. A site
 # configuration file of the node-pool release (imagebuilder release --file): configuration, no software.
@@ -449,9 +452,12 @@ def first_boot(rack: Rack, machine: Any, *, poll: Watch) -> float:
             poll(boot)
             time.sleep(3)
         poll(boot)
-        for agent in _spire_agents(rack):
+        agents = _spire_agents(rack)
+        for agent in agents:
             print(f"  [spire-server] agent {agent.get('id', {}).get('path')} attested with "
                   f"{agent.get('attestation_type')}", flush=True)  # fmt: skip
+        if rack.spire is not None:
+            (rack.work / "spire-agents.json").write_text(json.dumps(agents, indent=1) + "\n")
         print("  pressing the power button", flush=True)
         boot.power_off(timeout=180)
     return seconds

@@ -196,6 +196,20 @@ def test_ipxe_imager_first_boot_attest_and_join_a_real_cluster(incremental_build
         journal = (work / "journal.txt").read_text(errors="replace")
         assert "kubeadm join succeeded" in journal, journal[-4000:]
 
+        # -- the workload identity: after the join the agent enrolled a DevID with nodeserver and started the image's
+        # spire-agent, which attested to the stock spire-server with tpm_devid through the node's kernel TPM
+        issued = [e for e in audit if e["event"] == "devid"]
+        assert [e["result"] for e in issued] == ["ok"], issued
+        spire = json.loads((work / "spire-agents.json").read_text())
+        assert [(a["attestation_type"], a["id"]["path"]) for a in spire] == [
+            ("tpm_devid", issued[0]["devid_agent_id"].split("demo.nodetrust.test", 1)[1])
+        ], spire
+        selectors = {f"{s['type']}:{s['value']}" for s in spire[0]["selectors"]}
+        assert f"tpm_devid:subject:cn:{attests[0]['ek_hash']}" in selectors, (
+            selectors
+        )  # the machine, by its EK
+        assert kept["state"]["after_join"]["step"] == "done", kept["state"]
+
         # -- no whole token of the issued id in any log: the demo's output, the consoles, the server, the journal
         logs = [result.stdout, journal, (work / "server.log").read_text(errors="replace")]
         logs += [p.read_text(errors="replace") for p in (work / "server-vm").glob("*.console.log")]

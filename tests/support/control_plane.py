@@ -201,6 +201,13 @@ def _controller_manager_argv(work: Path, bin_dir: Path) -> list[str | Path]:
     ]
 
 
+def _kept(sent: Any, received: Any) -> bool:
+    """``sent`` survived the round trip: equal, or for a mapping, each of its keys kept (defaults may join)."""
+    if isinstance(sent, dict):
+        return isinstance(received, dict) and all(_kept(v, received.get(k)) for k, v in sent.items())
+    return bool(sent == received)
+
+
 def _control_plane_binaries(version: str) -> Path:
     """The bin folder of kube-apiserver, kube-controller-manager, kubeadm and kubectl for ``version``."""
     if f"v{version}" == KUBE_VERSION:
@@ -339,7 +346,7 @@ class ControlPlane:
         """Fail closed when kubeadm's upload changed a setting every joining kubelet would get (defect 5)."""
         got = self.kubectl_json("-n", "kube-system", "get", "configmap", "kubelet-config")
         received = yaml.safe_load(got["data"]["kubelet"])
-        lost = {k: (v, received.get(k)) for k, v in sent.items() if received.get(k) != v}
+        lost = {k: (v, received.get(k)) for k, v in sent.items() if not _kept(v, received.get(k))}
         if lost:
             raise PeerError(
                 "the KubeletConfiguration does not survive kubeadm's upload to the kubelet-config ConfigMap: "
