@@ -164,17 +164,7 @@ class AfterJoinStage:
     ) -> None:
         """Record a failure of the stage, then re-raise it (permanent, past the deadline) or wait and go on."""
         after.attempts += 1
-        after.last_error = LastError(
-            step=str(step),
-            message=exc.message,
-            hint=exc.hint,
-            permanent=exc.permanent,
-            at=self.clock(),
-            reason=exc.reason,
-            code=exc.code if isinstance(exc, RefusalError) else "",
-            exit_status=exc.exit_code,
-            action=str(exc.action),
-        )
+        after.last_error = LastError.of(str(step), exc, self.clock())
         state.history.append(
             {"at": self.clock(), "step": str(step), "error": exc.message, "reason": exc.reason}
         )

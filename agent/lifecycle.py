@@ -230,17 +230,7 @@ class Lifecycle:
     def _failed(self, state: State, step: Step, exc: AgentError, deadline: float) -> None:
         """Record a failure, then re-raise it (permanent, or past the deadline) or wait and go on."""
         state.attempts += 1
-        state.last_error = LastError(
-            step=str(step),
-            message=exc.message,
-            hint=exc.hint,
-            permanent=exc.permanent,
-            at=self.clock(),
-            reason=exc.reason,
-            code=exc.code if isinstance(exc, RefusalError) else "",
-            exit_status=exc.exit_code,
-            action=str(exc.action),
-        )
+        state.last_error = LastError.of(str(step), exc, self.clock())
         state.history.append(
             {"at": self.clock(), "step": str(step), "error": exc.message, "reason": exc.reason}
         )

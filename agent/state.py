@@ -25,7 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from agent.errors import StateError
+from agent.errors import AgentError, RefusalError, StateError
 from agent.files import FileTooLargeError, ensure_private_dir, read_bounded, write_atomic
 
 STATE_FILE = "state.json"
@@ -67,6 +67,21 @@ class LastError:
     code: str = ""  # the gRPC status name of a refusal
     exit_status: int = 1  # what `nodeagent run` exits with for this error (agent.errors.EXIT_STATUSES)
     action: str = "step"  # agent.errors.Action
+
+    @classmethod
+    def of(cls, step: str, exc: AgentError, at: float) -> LastError:
+        """What ``exc``, raised at ``step``, leaves in the state: its message, hint, class and action."""
+        return cls(
+            step=step,
+            message=exc.message,
+            hint=exc.hint,
+            permanent=exc.permanent,
+            at=at,
+            reason=exc.reason,
+            code=exc.code if isinstance(exc, RefusalError) else "",
+            exit_status=exc.exit_code,
+            action=str(exc.action),
+        )
 
 
 @dataclass
