@@ -24,7 +24,9 @@ Small, deterministic payloads with real SHA-256 pins for what a node image stage
 * OVN-Kubernetes 2.4.2: a tarball with a ``SHA256SUMS`` and a detached OpenPGP signature;
 * ``/extras/deb/``: a signed flat apt repository with two packages that misbehave on purpose,
   for the VM tests of the builder's diagnoses: ``nodetrust-fixture-fails`` (its postinst
-  exits 1) and ``nodetrust-fixture-hangs`` (its postinst sleeps forever, silently).
+  exits 1) and ``nodetrust-fixture-hangs`` (its postinst sleeps forever, silently);
+* ``/k8s-hangs/core:/stable:/v1.36/deb/``: a Kubernetes 1.36.3 repository of stand-ins whose kubelet's
+  postinst sleeps forever, silently: the provisioning boot's watchdog meets it on a cached base.
 
 Every stand-in binary says that it is a stand-in. The signing key is a test key
 (``tests/support/data/fixture-payload-signing.secret.asc``; its public half is
@@ -67,7 +69,7 @@ REAL_PAYLOADS = (
 )  # real_kubernetes=True: the VM tier's and make demo's
 DEFAULT_PORT = 8765
 EPOCH = 1767225600  # 2026-01-01T00:00:00Z, every mtime in the payloads
-FORMAT = "6"  # bump when the payloads change
+FORMAT = "7"  # bump when the payloads change
 DEFAULT_KERNEL = (
     "6.1.0-50-amd64"  # the fixture installer's kernel when none is given (build.json's "kernel")
 )
@@ -345,6 +347,22 @@ def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = D
                 postinst="#!/bin/sh\nexec sleep 1000000\n",
             )
             _flat_repo(extras, home)
+
+            # A Kubernetes repository whose kubelet never finishes installing (its postinst sleeps, silently):
+            # the provisioning boot applies the Kubernetes packages, so a build on a cached base meets it
+            # there, for the VM test of the staging plan's watchdog (vm-tests/test_failures.py).
+            hangs = work / "k8s-hangs" / "core:/stable:/v1.36" / "deb"
+            for package, upstream, depends in (
+                ("cri-tools", "1.36.0", ""),
+                ("kubernetes-cni", KUBERNETES_CNI, ""),
+                ("kubectl", "1.36.3", ""),
+                ("kubelet", "1.36.3", "kubernetes-cni (>= 1.2.0)"),
+                ("kubeadm", "1.36.3", "kubelet (>= 1.36.0), kubectl (>= 1.36.0), cri-tools (>= 1.36.0)"),
+            ):
+                _deb(hangs / "amd64", package, f"{upstream}-{DEB_REVISION}",
+                     {f"/usr/share/nodetrust-fixture/{package}": b"a stand-in that hangs in its kubelet's postinst\n"},
+                     depends=depends, postinst="#!/bin/sh\nexec sleep 1000000\n" if package == "kubelet" else "")  # fmt: skip
+            _flat_repo(hangs, home)
 
             spire_tarball(work / "spire" / f"v{SPIRE_VERSION}", real=real_kubernetes)
 
