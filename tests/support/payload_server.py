@@ -352,16 +352,16 @@ def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = D
             # the provisioning boot applies the Kubernetes packages, so a build on a cached base meets it
             # there, for the VM test of the staging plan's watchdog (vm-tests/test_failures.py).
             hangs = work / "k8s-hangs" / "core:/stable:/v1.36" / "deb"
-            for package, upstream, depends in (
+            for name, upstream, depends in (
                 ("cri-tools", "1.36.0", ""),
                 ("kubernetes-cni", KUBERNETES_CNI, ""),
                 ("kubectl", "1.36.3", ""),
                 ("kubelet", "1.36.3", "kubernetes-cni (>= 1.2.0)"),
                 ("kubeadm", "1.36.3", "kubelet (>= 1.36.0), kubectl (>= 1.36.0), cri-tools (>= 1.36.0)"),
             ):
-                _deb(hangs / "amd64", package, f"{upstream}-{DEB_REVISION}",
-                     {f"/usr/share/nodetrust-fixture/{package}": b"a stand-in that hangs in its kubelet's postinst\n"},
-                     depends=depends, postinst="#!/bin/sh\nexec sleep 1000000\n" if package == "kubelet" else "")  # fmt: skip
+                _deb(hangs / "amd64", name, f"{upstream}-{DEB_REVISION}",
+                     {f"/usr/share/nodetrust-fixture/{name}": b"a stand-in that hangs in its kubelet's postinst\n"},
+                     depends=depends, postinst="#!/bin/sh\nexec sleep 1000000\n" if name == "kubelet" else "")  # fmt: skip
             _flat_repo(hangs, home)
 
             spire_tarball(work / "spire" / f"v{SPIRE_VERSION}", real=real_kubernetes)
