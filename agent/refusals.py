@@ -178,6 +178,11 @@ RULES: dict[Key, Rule] = {
     # -- reasons that need their own hint or class -------------------------------------------
     (None, None, "banned"): Rule(BannedError, _BANNED),
     (None, None, "not_attested"): Rule(NotAttestedError, _ATTEST_AGAIN),
+    (A, None, "not_joined"): Rule(
+        AttestationRefusedError,
+        "nodeserver issues a DevID only to a machine it admitted by a join: join first (`nodeagent run`), or the "
+        "operator turns devid.require_join off",
+    ),
     (J, None, "unauthenticated"): Rule(
         NotAttestedError, "the broker saw no SVID of its trust domain: the agent attests again"
     ),

@@ -146,6 +146,7 @@ REASONS: dict[str, Reason] = {
         _r("certify_signature", F.EVIDENCE, "the DevID certification is not signed by the AK"),
         _r("certify_name_mismatch", F.EVIDENCE, "the certification names another object than the DevID key"),
         _r("devid_unavailable", F.REQUEST, "this server does not enrol DevIDs"),
+        _r("not_joined", F.POLICY, "a DevID is issued only to a machine this server admitted by a join"),
         # -- Join ---------------------------------------------------------------------------
         _r("unauthenticated", F.IDENTITY, "no agent SVID of this trust domain was presented"),
         _r("not_attested", F.IDENTITY, "the server does not know this agent as attested"),

@@ -76,6 +76,12 @@ class AgentNotAttestedError(AttestationDeniedError):
     reason = "not_attested"
 
 
+class NotJoinedError(AttestationDeniedError):
+    """DevID enrolment for a machine this server never admitted by a join (``devid.require_join``)."""
+
+    reason = "not_joined"
+
+
 class EkNotTrustedError(AttestationDeniedError):
     """The EK is neither listed nor certified by a trusted manufacturer CA (``server.ek_trust``).
 

@@ -77,5 +77,6 @@ class DevidParts:
             challenge_timeout=self.config.challenge_timeout.total_seconds(),
             first_message_timeout=self.config.first_message_timeout.total_seconds(),
             executor=self.executor,
+            require_join=self.settings.require_join,
         )
         register(server, boundary, devid_pb2.DESCRIPTOR.services_by_name["DevId"], service.methods())

@@ -40,6 +40,7 @@ from server.errors import (
     CancelledByClientError,
     ChallengeTimeoutError,
     InvalidRequestError,
+    NotJoinedError,
     StoreError,
 )
 from server.store import Store
@@ -77,12 +78,14 @@ class DevidEnrolService:
         challenge_timeout: float,
         first_message_timeout: float,
         executor: Executor | None = None,
+        require_join: bool = True,
     ) -> None:
         self.trust_domain = trust_domain
         self.ca = ca
         self.ek_trust = ek_trust
         self.store = store
         self.certificate_ttl = certificate_ttl
+        self.require_join = require_join
         self.challenge_timeout = challenge_timeout
         self.first_message_timeout = first_message_timeout
         self.executor = executor
@@ -168,6 +171,11 @@ class DevidEnrolService:
             )
         if record.banned:
             raise BannedError("this machine's agent is banned")
+        if self.require_join and not self._joined(agent_id):
+            raise NotJoinedError(
+                f"{agent_id} has not been admitted by a join here: a DevID is issued only to a joined machine "
+                "(devid.require_join)"
+            )
         ev.check_ak(ak)
         ev.check_certification(ak, devid, certification)
         return _Pending(
@@ -176,6 +184,15 @@ class DevidEnrolService:
             residency=ev.residency_challenge(ak, ek_public),
             nonce=os.urandom(ev.NONCE_BYTES),
         )
+
+    def _joined(self, agent_id: str) -> bool:
+        """A grant in the join history, or (past its retention) the node name its first grant bound to it."""
+        try:
+            return bool(self.store.joins_for(agent_id)) or any(
+                b.agent_id == agent_id for b in self.store.node_names()
+            )
+        except Exception as exc:
+            raise StoreError("failed to read the join history", detail=str(exc)) from exc
 
     def _finish(
         self, pending: _Pending, proof: devid_pb2.EnrolRequest.Proof, call: Call

@@ -24,6 +24,7 @@ SECTION = "devid"
 @dataclass(frozen=True)
 class DevidSettings:
     enrol: bool = True  # serve nodetrust.devid.v1.DevId/Enrol on the agent port
+    require_join: bool = True  # enrol only machines this server has admitted by a join
     certificate_ttl: dt.timedelta = dt.timedelta(days=365)  # the LDevID certificates' lifetime
     ca_ttl: dt.timedelta = dt.timedelta(days=10 * 365)  # the DevID CA created at first start
     trust_own_ca: bool = True  # tpm_devid admits DevIDs issued by this server's DevID CA
@@ -41,6 +42,11 @@ TABLE = Table(
     SECTION,
     (
         _row("enrol", _boolean(), "issue LDevIDs to EK-attested agents (DevId/Enrol on the listen port)"),
+        _row(
+            "require_join",
+            _boolean(),
+            "issue an LDevID only to a machine this server admitted by a join (its pool's checks and measured boot)",
+        ),
         _row("certificate_ttl", _duration("1h"), "lifetime of each LDevID certificate"),
         _row("ca_ttl", _duration("1h"), "lifetime of the DevID CA created at first start in data_dir"),
         _row("trust_own_ca", _boolean(), "tpm_devid admits DevIDs that this server's DevID CA issued"),

@@ -58,6 +58,7 @@ def test_enrol_after_ek_attestation_then_attest_with_tpm_devid(
     srv = servers(ek_trust={"ca_dir": str(ek_ca_dir)})
     tpm = unix_tpm()
     tpm_svid = attest(_target(srv), tcti=tpm.tcti, state_dir=tmp_path / "state")
+    srv.admit(tpm_svid.spiffe_id)  # DevIDs are issued to machines the broker admitted (devid.require_join)
     files = DevidFiles(tmp_path / "devid")
     done = enrol(_target(srv), tcti=tpm.tcti, files=files, alg=alg)
 
@@ -128,6 +129,30 @@ def test_enrol_without_ek_attestation_is_refused(
     lines = [line for line in srv.audit_lines() if line["event"] == "devid"]
     assert [(line["status"], line["reason"]) for line in lines] == [("PERMISSION_DENIED", "not_attested")]
     assert not (tmp_path / "devid").exists()
+
+
+def test_enrol_of_a_machine_never_admitted_by_a_join_is_refused(
+    servers: Callable[..., ServerThread], ek_ca_dir: Path, unix_tpm: Callable[[], Swtpm], tmp_path: Path
+) -> None:
+    """An EK-attested machine whose join was never granted (its checks or its boot refused) gets no DevID: it
+    would otherwise take a workload identity from a stock SPIRE server that trusts the DevID CA."""
+    srv = servers(ek_trust={"ca_dir": str(ek_ca_dir)})
+    tpm = unix_tpm()
+    svid = attest(_target(srv), tcti=tpm.tcti, state_dir=tmp_path / "state")
+    with pytest.raises(AttestationRefusedError) as info:
+        enrol(_target(srv), tcti=tpm.tcti, files=DevidFiles(tmp_path / "devid"))
+    assert info.value.reason == "not_joined" and "join first" in info.value.hint
+    lines = [line for line in srv.audit_lines() if line["event"] == "devid"]
+    assert [(line["status"], line["reason"]) for line in lines] == [("PERMISSION_DENIED", "not_joined")]
+    assert not (tmp_path / "devid").exists()
+    # once the broker has granted it a join, the same machine is enrolled
+    srv.admit(svid.spiffe_id)
+    enrol(_target(srv), tcti=tpm.tcti, files=DevidFiles(tmp_path / "devid"))
+    assert [line["reason"] for line in srv.audit_lines() if line["event"] == "devid"][-1] == "devid_issued"
+    # a server told not to ask (devid.require_join: false) enrols any EK-attested machine
+    lenient = servers(ek_trust={"ca_dir": str(ek_ca_dir)}, devid={"require_join": False})
+    attest(_target(lenient), tcti=tpm.tcti, state_dir=tmp_path / "state2")
+    enrol(_target(lenient), tcti=tpm.tcti, files=DevidFiles(tmp_path / "devid2"))
 
 
 def test_enrol_of_a_banned_machine_is_refused(

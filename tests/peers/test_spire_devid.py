@@ -82,7 +82,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     ).start()
     try:
         n = Node(base, tpm, srv, endorsement, {})
-        attest(n.target, tcti=tpm.tcti, state_dir=base / "agent-state")  # the EK attestation comes first
+        svid = attest(
+            n.target, tcti=tpm.tcti, state_dir=base / "agent-state"
+        )  # the EK attestation comes first
+        srv.admit(svid.spiffe_id)  # and a granted join (tests/peers/test_host_join.py joins for real)
         for alg in ("rsa", "ecc"):
             n.devids[alg] = enrol(n.target, tcti=tpm.tcti, files=DevidFiles(base / f"devid-{alg}"), alg=alg)
         yield n

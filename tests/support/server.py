@@ -58,6 +58,20 @@ class ServerThread:
         assert self.app.ca is not None
         return self.app.ca.bundle_pem()
 
+    def admit(self, spiffe_id: str, node_name: str = "node-1", pool: str = "cpu") -> None:
+        """Record a granted join of ``spiffe_id`` in the store, as the join broker does when it grants one
+        (server.join_service): for the tests of what needs an admitted machine (DevID enrolment) and not
+        of the join itself, which tests/join covers."""
+        import time
+
+        from server.store.base import JoinRecord
+
+        assert self.app.store is not None
+        self.app.store.record_join(
+            JoinRecord(agent_id=spiffe_id, node_name=node_name, pool=pool, token_id="test00", verdict="pass",
+                       at=int(time.time()))
+        )  # fmt: skip
+
     def audit_lines(self) -> list[dict[str, Any]]:
         import json
 
