@@ -8,7 +8,14 @@
 4. ``media``: kernel and initrd out of the ISO, the staging medium, the NoCloud seed;
 5. ``accelerator``: KVM if it works, else TCG;
 6. ``install``: the installer in a libvirt domain, watched (:mod:`imagebuilder.watch`);
-7. ``image``: the compacted QCOW2; then the manifest, the trust outputs and the atomic publish.
+7. ``provision``: the provisioning boot on an overlay of the installed base, ending with the seal's export;
+8. ``seal``: the image's disk assembled on this host from that export, deterministically
+   (:mod:`imagebuilder.seal`: the lock's identifiers and ``SOURCE_DATE_EPOCH``);
+9. ``image``: the compacted QCOW2; then the manifest, the trust outputs and the atomic publish.
+
+The same definition, lock, agent source and builder give the same image, byte for byte
+(docs/reproducible.md): the build id, the identifiers and every time stamp in the image come from the
+lock (:mod:`imagebuilder.reproducible`).
 
 Everything temporary lives in one work directory and the libvirt domain; both are removed
 on success, failure, Ctrl-C and SIGTERM. Nothing is published unless every phase passed.
@@ -41,6 +48,8 @@ from imagebuilder import (
     interrupt,
     media,
     outputs,
+    reproducible,
+    seal,
     staging,
     wheelhouse,
 )
@@ -55,7 +64,7 @@ from imagebuilder.domain import (
     kernel_cmdline,
     provision_cmdline,
 )
-from imagebuilder.errors import BuildError, LockError
+from imagebuilder.errors import BuildError, LockError, OutputError
 from imagebuilder.lock import Lock, LockedInput, check_lock, default_lock_path, load_lock, plain_name
 from imagebuilder.progress import ProgressLog
 from imagebuilder.run import run, tool_version
@@ -134,10 +143,6 @@ class Phases:
         return lambda phase: self.progress.emit("start", f"{prefix}/{phase}")
 
 
-def new_build_id(name: str) -> str:
-    return f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
-
-
 def _check_reachable(root: Path) -> None:
     """QEMU runs as another user under qemu:///system (libvirt-qemu): every parent must be traversable."""
     for parent in [root.resolve(), *root.resolve().parents]:
@@ -170,7 +175,12 @@ class Build:
         self.cache = Cache(opts.cache_dir)
         self.base_cache = base.BaseCache(opts.base_cache or opts.cache_dir / "bases")
         base.check_disk_size(self.defn)
-        self.build_id = new_build_id(self.defn.name)
+        # the build id names the inputs (the lock); this run's VMs and work directory get a unique name of their own
+        self.identity = reproducible.identity(self.lock.file_sha256, self.lock.created_at)
+        self.build_id = reproducible.build_id(
+            self.defn.name, self.lock.file_sha256, self.identity.source_date_epoch
+        )
+        self.run_id = f"{self.build_id}-{secrets.token_hex(3)}"
         self.progress = ProgressLog(opts.progress, self.build_id)
         self.phases = Phases(self.progress)
         self.watchdog = dataclasses.replace(self.defn.watchdog, **opts.idle_limits)
@@ -182,6 +192,13 @@ class Build:
 
     def check(self) -> None:
         check_lock(self.defn, self.lock)
+        if (self.opts.out / self.build_id).exists():
+            raise OutputError(
+                f"{self.opts.out / self.build_id} exists: a build of this lock is published there (a build id names "
+                "its lock: the same lock builds the same image)",
+                hint=f"`imagebuilder rebuild {self.opts.out / self.build_id}` rebuilds it and compares; or remove the "
+                "folder, or pass another --out",
+            )
         log.info(
             "build %s: %s, lock %s (%d inputs)",
             self.build_id,
@@ -317,7 +334,8 @@ class Build:
         self.base_key = base.base_key(self.base_material)
         log.info("installed base key: %s", self.base_key)
         info: dict[str, object] = {
-            "build_id": self.build_id,
+            # not the build id: nothing of one build's run goes into the image; the lock names its inputs
+            "lock_sha256": self.lock.file_sha256,
             "name": defn.name,
             "kubernetes": self._kubernetes(),
             "agent": {"venv": defn.agent.venv, "requirement": requirement},
@@ -335,6 +353,7 @@ class Build:
             agent_requirement=requirement,
             image_info=info,
             base_keys=self.base_keys,
+            seal=seal.plan_lines(self.identity),
         )
         self.paths["staging"] = media.make_iso(tree, work / "staging.iso", label=media.STAGING_LABEL)
         shutil.rmtree(tree)
@@ -373,8 +392,9 @@ class Build:
                 "verified_by": "rendered by this build from cloud-init/",
             }
         )
+        # the installer's instance and host name: the base's (whichever build installs it), never this build's
         self.paths["seed"] = media.make_seed(
-            user_data, autoinstall.meta_data(self.build_id), work / "seed.iso"
+            user_data, autoinstall.meta_data(f"nodetrust-base-{self.base_key[:16]}"), work / "seed.iso"
         )
         for key in ("kernel", "initrd", "base_medium", "seed"):
             self.paths[key].chmod(0o644)
@@ -408,7 +428,7 @@ class Build:
                 stack.callback(listener.close)
             conn = self._connect(stack)
             spec = DomainSpec(
-                name=DOMAIN_PREFIX + self.build_id,
+                name=DOMAIN_PREFIX + self.run_id,
                 build_id=self.build_id,
                 arch=defn.architecture,
                 accel=accel,
@@ -496,10 +516,15 @@ class Build:
             hint="qemu-img could not create the overlay on the installed base")  # fmt: skip
         console, data = work / "console.log", work / "data.log"
         self.paths["console"] = console
+        # the seal's export (imagebuilder.seal): a sparse raw disk, larger than the image's disk
+        seal_disk = work / "seal.raw"
+        with seal_disk.open("wb") as fh:
+            fh.truncate(defn.disk_size_bytes + seal.SLACK)
+        self.paths["seal_disk"] = seal_disk
         with contextlib.ExitStack() as stack:
             conn = self._connect(stack)
             spec = DomainSpec(
-                name=DOMAIN_PREFIX + self.build_id,
+                name=DOMAIN_PREFIX + self.run_id,
                 build_id=self.build_id,
                 arch=defn.architecture,
                 accel=accel,
@@ -513,6 +538,7 @@ class Build:
                 disk=overlay,
                 cdrom=None,
                 readonly_disks=(self.paths["staging"],),
+                writable_disks=((seal_disk, seal.SERIAL),),
                 console_log=console,
                 data_log=data,
                 firmware="none",
@@ -526,6 +552,23 @@ class Build:
             ).run()
         self.paths["disk"] = overlay
         return result
+
+    def _credentials(self) -> dict[str, bytes]:
+        """This run's credentials (label -> secret): the installer's webhook token, on a full build."""
+        token = getattr(self, "token", "")
+        return {"this build's webhook token": token.encode()} if token else {}
+
+    def seal_image(self, work: Path) -> seal.Sealed:
+        """The image's raw disk from the provisioning boot's export: the lock's identifiers and time; refused when
+        a file still names the installer's identifiers or holds a credential of the build."""
+        credentials = {**boottest.BUILDER_ADDRESSES, **self._credentials()}
+        sealed = seal.seal(self.paths["seal_disk"], work / "image.raw", self.identity, work=work / "seal",
+                           credentials=credentials)  # fmt: skip
+        if not self.opts.keep_work:  # kept, the seal can be run again on it (imagebuilder.seal.seal)
+            self.paths["seal_disk"].unlink()
+        self.paths["disk"].unlink()  # the overlay: the image is the sealed disk
+        self.paths["disk"] = sealed.disk
+        return sealed
 
     def _kubernetes(self) -> dict[str, Any]:
         kube = self.defn.kubernetes
@@ -693,14 +736,20 @@ class Build:
                     log.info("accelerator: %s (%s)", *accel)
             with phase("provision"):
                 result = self.provision(work, installed, accel[0])
-            partial = stack.enter_context(outputs.partial_folder(self.opts.out, self.build_id))
+            with phase("seal"):
+                sealed = self.seal_image(work)
+            partial = stack.enter_context(
+                outputs.partial_folder(self.opts.out, self.build_id, run_id=self.run_id)
+            )
             with phase("image"):
                 image = outputs.convert_image(
-                    self.paths["disk"], partial / f"{self.defn.name}.qcow2", compress=self.defn.compress
-                )
+                    self.paths["disk"], partial / f"{self.defn.name}.qcow2", compress=self.defn.compress,
+                    source_format="raw",
+                )  # fmt: skip
                 self.paths["disk"].unlink()
             self._console(partial / "console.log", installed)
             manifest = self.manifest(partial, result, image, accel, installed=installed, installer=installer)
+            self._reproducible(manifest, sealed)
             manifest["contents"] = boottest.image_contents(self.defn, files, requirement)
             if self.defn.architecture == "amd64":
                 # before the boot test (which compares the booted image's event log with it) and SHA256SUMS
@@ -718,6 +767,7 @@ class Build:
                     boottest.check_partial_folder(
                         partial, manifest, image=partial / f"{self.defn.name}.qcow2", accel=accel[0],
                         work_root=work, libvirt_uri=self.opts.libvirt_uri, keep_work=self.opts.keep_work,
+                        credentials=self._credentials(),
                     )  # fmt: skip
                 manifest["phases"].append(self.phases.records[-1])
             outputs.write_json(partial / "manifest.json", manifest)
@@ -753,6 +803,19 @@ class Build:
             with phase("base-store"):
                 installed = self.store_base(work, installer)
         return installed, installer, accel
+
+    def _reproducible(self, manifest: dict[str, Any], sealed: seal.Sealed) -> None:
+        """What makes the image reproducible, in its manifest; the installed size of the sealed file system."""
+        manifest["reproducible"] = {
+            "source_date_epoch": self.identity.source_date_epoch,
+            "identity": self.identity.to_json(),
+            "seal": {
+                "entries": sealed.entries,
+                "layout": sealed.header.layout().to_json(),
+            },
+        }
+        manifest["installed_size"] = sealed.assembled.root_used_bytes
+        manifest["tools"].update(sealed.assembled.tools)
 
     def _console(self, dest: Path, installed: base.Base) -> None:
         """The published console: the installer's (from the base, whichever build made it), then the
