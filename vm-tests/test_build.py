@@ -63,7 +63,17 @@ def test_the_published_folder(full_build: Build) -> None:
     assert {"nodeagent", "autoinstall-user-data"} <= {i["name"] for i in manifest["inputs"]}
     assert manifest["kubernetes"] == {"installed": "1.36.3", "staged": ["1.34.2", "1.35.3", "1.37.2"]}
     phases = [p["name"] for p in manifest["phases"]]
-    for phase in ("fetch", "wheelhouse", "media", "install", "provision", "seal", "image", "install/boot", "install/late"):
+    for phase in (
+        "fetch",
+        "wheelhouse",
+        "media",
+        "install",
+        "provision",
+        "seal",
+        "image",
+        "install/boot",
+        "install/late",
+    ):
         assert phase in phases
     assert all(p["duration_s"] >= 0 for p in manifest["phases"])
     assert {"qemu-img", "libvirt", "python", "imagebuilder"} <= set(manifest["tools"])
@@ -128,7 +138,9 @@ def test_the_image_contents_match_the_manifest(full_build: Build) -> None:
             info = json.loads(files.text("/etc/nodetrust/image.json"))
             # nothing of the run in the image: the lock names what it was built from (docs/reproducible.md)
             assert info["lock_sha256"] == manifest["lock"]["sha256"] and "build_id" not in info
-            assert not files.exists("/var/log/installer")  # the installer's logs and its copy of the user-data
+            assert not files.exists(
+                "/var/log/installer"
+            )  # the installer's logs and its copy of the user-data
             assert files.listdir("/var/log/apt") == [] and not files.exists("/var/log/dpkg.log")
             # the node's own first boot belongs to its datasource, not to the installer's cloud-init
             assert "99-installer.cfg" not in files.listdir("/etc/cloud/cloud.cfg.d")
@@ -249,12 +261,14 @@ def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, fu
                 "/etc/ssh/ssh_host_ed25519_key.pub", b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIshipped\n"
             )
             files.replace("/usr/sbin/policy-rc.d", b"#!/bin/sh\nexit 101\n")
-            files.replace("/var/log/autoinstall-user-data",
-                          f"reporting:\n  builder: {{endpoint: http://10.0.2.100:8080/nodetrust/{TOKEN}/events}}\n".encode())  # fmt: skip
+            leaked = (
+                f"reporting:\n  builder: {{endpoint: http://10.0.2.100:8080/nodetrust/{TOKEN}/events}}\n"
+            )
+            files.replace("/var/log/autoinstall-user-data", leaked.encode())
             broken = files.save_qcow2(work / "broken.qcow2")
-        (work / "credentials").write_text(TOKEN + "\n")
         finally:
             files.close()
+        (work / "credentials").write_text(TOKEN + "\n")
         wait_for_other_vms()
         report = work / "report.json"
         tested = imagebuilder(env, "test", str(broken), "--manifest", str(full_build.folder / "manifest.json"),
@@ -268,8 +282,10 @@ def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, fu
     assert set(failed) == {"image/machine-id", "image/ssh-host-keys", "image/build-leftovers",
                            "image/build-credentials"}, failed  # fmt: skip
     assert "credentials line 1 in /var/log/autoinstall-user-data" in failed["image/build-credentials"]
-    assert "the builder's webhook address (with a build's token) in /var/log/autoinstall-user-data" in (
-        failed["image/build-credentials"])
+    assert (
+        "the builder's webhook address (with a build's token) in /var/log/autoinstall-user-data"
+        in (failed["image/build-credentials"])
+    )
     assert TOKEN not in tested.stdout + tested.stderr + report.read_text()
     assert "shipped a machine id (01234567..." in failed["image/machine-id"]
     assert "ssh_host_ed25519_key.pub" in failed["image/ssh-host-keys"]

@@ -27,7 +27,9 @@ def test_a_second_cold_build_of_the_lock_is_the_same_image(
     done = imagebuilder(env, "rebuild", str(full_build.folder), "--json", "--cache-dir", str(env.cache),
                         "--work-dir", str(work), timeout=4800)  # fmt: skip
     seconds = time.monotonic() - started
-    assert done.returncode in (0, 1), f"imagebuilder rebuild could not run ({done.returncode}):\n{done.stderr[-6000:]}"
+    assert done.returncode in (0, 1), (
+        f"imagebuilder rebuild could not run ({done.returncode}):\n{done.stderr[-6000:]}"
+    )
     report = json.loads(done.stdout)
     print(f"\nrebuild (a full build with a cold base cache) and comparison: {seconds:.0f} s")
     print(json.dumps({k: report[k] for k in ("image", "boot_measurements", "identical_files", "differences", "tools")
@@ -35,7 +37,9 @@ def test_a_second_cold_build_of_the_lock_is_the_same_image(
     assert report["image"]["same"], json.dumps(report.get("image_differences"), indent=1)[:8000]
     assert done.returncode == 0 and report["same"], report
     manifest = json.loads((full_build.folder / "manifest.json").read_text())
-    assert report["image"]["published"] == next(o["sha256"] for o in manifest["outputs"] if o["name"].endswith(".qcow2"))
+    assert report["image"]["published"] == next(
+        o["sha256"] for o in manifest["outputs"] if o["name"].endswith(".qcow2")
+    )
     assert report["rebuilt_build_id"] == report["build_id"] == full_build.folder.name
     assert report["boot_measurements"]["same"] is True
     assert report["identical_files"] == {"sbom.spdx.json": True, "boot-measurements.json": True}
