@@ -134,6 +134,9 @@ def _definition_variant(example: Path, out: Path, iso_url: str | None) -> Path:
     for source in data.get("apt_sources", []):
         if "keyring" in source and not source["keyring"].startswith("/"):
             source["keyring"] = str((example.parent / source["keyring"]).resolve())
+    for entry in (data.get("host") or {}).get("files") or []:
+        if "source" in entry and not str(entry["source"]).startswith("/"):
+            entry["source"] = str((example.parent / entry["source"]).resolve())
     if iso_url is not None:
         data["installer"]["iso"]["url"] = iso_url
         data["installer"]["iso"].pop("mirrors", None)

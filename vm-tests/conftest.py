@@ -164,6 +164,9 @@ def variant(tmp: Path, change: dict[str, Any]) -> Path:
     data = copy.deepcopy(data)
     data["agent"]["source"] = str(REPO)
     _absolute_keyrings(data)
+    for entry in (data.get("host") or {}).get("files") or []:  # files the definition copies into the image
+        if "source" in entry and not str(entry["source"]).startswith("/"):
+            entry["source"] = str(REPO / "examples" / entry["source"])
     for key, value in change.items():
         if key.endswith("+"):
             data[key[:-1]] = [*data.get(key[:-1], []), *value]
