@@ -52,9 +52,10 @@
 #   remove   PATTERN                rm -rf every match of PATTERN in the target (a build record or cache)
 #   empty    DIR                    remove every file under DIR, keep its folders (logs)
 #   shadow   SECONDS                password ages in /etc/shadow (and shadow-) clamped to SECONDS
-#   seal     SERIAL                 after the plan's clean-up: the root file system and the ESP as one tar
-#                                   archive on the raw disk whose serial is SERIAL, a header before it; the
-#                                   builder assembles the image's disk from it
+#   bolt     DIR                    every bbolt database under DIR (containerd's) rewritten canonically, its
+#                                   time stamps clamped to SOURCE_DATE_EPOCH (MEDIUM/boltcanon.py)
+#
+# The builder then reads the provisioned disk offline and assembles the image's disk from it (the seal).
 #
 # Progress goes to the console, with the seconds since the machine booted; the data (package list,
 # size, boot files) and the markers NODETRUST-STAGE-BEGIN / NODETRUST-STAGE-DONE go to DATA_PORT (a
@@ -123,46 +124,7 @@ target_devices() {
   fi
 }
 probe() { blkid -p -s "$1" -o value "$2" 2>/dev/null || true; }
-SEAL=/run/nodetrust-seal
-# The seal (imagebuilder/seal.py): the finished root file system (a bind mount of /, nothing mounted over it)
-# and the ESP as one tar archive (root/..., esp/...) at 1 MiB of the raw disk with serial $1, then a header at
-# its start. Run after the plan's clean-up, so nothing of the build is mounted in the target.
-seal_image() {
-  dev=$(disk_by_serial "$1")
-  [ -n "$dev" ] || { say "no disk with serial $1 to seal the image onto"; exit 1; }
-  target_devices
-  # the provisioning hook removes itself when this script returns: not part of the image
-  rm -f /usr/lib/nodetrust/provision-init
-  rmdir /usr/lib/nodetrust 2>/dev/null || true
-  mkdir -p "$SEAL/stage/root" "$SEAL/stage/esp"
-  mount --bind / "$SEAL/stage/root"
-  mount -t vfat -o ro "$esp_dev" "$SEAL/stage/esp"
-  say "seal: archiving the root file system ($root_dev) and the ESP ($esp_dev) onto $dev"
-  rm -f "$SEAL/tar.failed"
-  { tar --create --file=- --directory="$SEAL/stage" --sort=name --format=posix --numeric-owner \
-      --xattrs --xattrs-include='*' --acls --one-file-system --totals \
-      --pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime \
-      root esp 2> "$SEAL/tar.err" || echo "$?" > "$SEAL/tar.failed"; } \
-    | dd of="$dev" bs=1M seek=1 conv=notrunc status=none
-  umount "$SEAL/stage/esp"
-  umount "$SEAL/stage/root"
-  if [ -e "$SEAL/tar.failed" ]; then
-    say "seal: tar failed with status $(cat "$SEAL/tar.failed"): $(tail -n 5 "$SEAL/tar.err")"
-    exit 1
-  fi
-  bytes=$(sed -n 's/^Total bytes written: \([0-9][0-9]*\).*/\1/p' "$SEAL/tar.err")
-  [ -n "$bytes" ] || { say "seal: tar did not say how much it wrote: $(tail -n 3 "$SEAL/tar.err")"; exit 1; }
-  part() {
-    printf '{"partition": "%s", "label": "%s", "uuid": "%s", "partuuid": "%s"}' \
-      "$1" "$(probe LABEL "$1")" "$(probe UUID "$1")" "$(probe PART_ENTRY_UUID "$1")"
-  }
-  printf 'NODETRUST-SEAL 1\n{"disk_bytes": %s, "disk_guid": "%s", "archive": {"offset": 1048576, "bytes": %s}, "root": %s, "esp": %s, "table": %s}\n' \
-    "$(blockdev --getsize64 "$disk")" "$(probe PTUUID "$disk")" "$bytes" "$(part "$root_dev")" "$(part "$esp_dev")" \
-    "$(sfdisk -J "$disk" | tr -d '\n')" > "$SEAL/header"
-  dd if="$SEAL/header" of="$dev" conv=notrunc,fsync status=none
-  sync
-  say "seal: $bytes bytes of archive on $dev"
-}
+SEAL=/run/nodetrust-seal  # the identify and bolt steps' scratch space (tmpfs)
 
 [ -c "$DATA" ] || { say "the data port $DATA does not exist"; exit 1; }
 [ -f "$M/plan.tsv" ] || { say "$M/plan.tsv is missing: is $M the staging medium?"; exit 1; }
@@ -190,8 +152,8 @@ trap cleanup EXIT
 apt_ready=no
 # The plan is read on fd 3: the commands below (apt, curtin) must not eat it from stdin.
 exec 3< "$M/plan.tsv"
-seal_serial=""
 SEAL_ROOT=""
+SEAL_ESP=""
 while IFS="$TAB" read -r kind a b c d e <&3; do
   case "$kind" in
     ""|"#"*) continue ;;
@@ -351,8 +313,10 @@ while IFS="$TAB" read -r kind a b c d e <&3; do
       mounted=""
       if ! mountpoint -q "$T/boot/efi"; then
         # fstab names the ESP by /dev/disk/by-uuid/, which needs udev; libblkid finds it by UUID without one.
+        # A sealed image's fstab already names the ESP's final volume ID (identify): mount the partition itself.
         esp=$(awk '!/^[[:space:]]*#/ && $2 == "/boot/efi" { print $1; exit }' "$T/etc/fstab")
         case "$esp" in /dev/disk/by-uuid/*) esp="UUID=${esp#/dev/disk/by-uuid/}" ;; esac
+        [ -z "$SEAL_ESP" ] || esp=$SEAL_ESP
         mount -t vfat "$esp" "$T/boot/efi" || { say "cannot mount the ESP ($esp) at /boot/efi"; exit 1; }
         mounted=yes
       fi
@@ -454,6 +418,7 @@ while IFS="$TAB" read -r kind a b c d e <&3; do
           -e "s/$old_rpart/$d/gI" -e "s/$old_epart/$e/gI"
       umount "$SEAL/esp"
       SEAL_ROOT=$a
+      SEAL_ESP=$esp_dev
       ;;
     remove)
       # shellcheck disable=SC2086  # a is a pattern: expanded here, inside the target
@@ -473,9 +438,17 @@ while IFS="$TAB" read -r kind a b c d e <&3; do
         rm -f "$f.nodetrust"
       done
       ;;
-    seal)
-      [ -z "$T" ] || { say "seal: only the staging plan (the provisioning boot) seals the image"; exit 1; }
-      seal_serial=$a  # after the clean-up below: nothing of the build left mounted or written in the target
+    bolt)
+      if [ -d "$T$a" ]; then
+        say "bolt: canonical databases under $a"
+        mkdir -p "$SEAL"
+        if ! find "$T$a" -xdev -type f -name '*.db' \
+            -exec python3 "$M/boltcanon.py" "${SOURCE_DATE_EPOCH:?the epoch entry comes first}" {} + > "$SEAL/bolt.log" 2>&1; then
+          say "bolt: $(tail -n 5 "$SEAL/bolt.log")"
+          exit 1
+        fi
+        while IFS= read -r line; do say "bolt: $line"; done < "$SEAL/bolt.log"
+      fi
       ;;
     *)
       say "unknown plan entry: $kind"
@@ -487,6 +460,5 @@ exec 3<&-
 
 cleanup
 trap - EXIT
-[ -z "$seal_serial" ] || seal_image "$seal_serial"
 data "NODETRUST-STAGE-DONE"
 say "done"

@@ -287,7 +287,8 @@ def debugfs_batch(entries: Iterable[Entry], epoch: int, xattr_dir: Path) -> str:
     """The commands that give every inode its archive metadata and the build's time (one per line)."""
     lines: list[str] = []
     later: list[str] = []
-    for n, e in enumerate(entries):
+    # in name order: devices and FIFOs get their inode numbers in the order they are made
+    for n, e in enumerate(sorted(entries, key=lambda e: os.fsencode(e.path).split(b"/"))):
         q = _quote(e.path)
         if e.kind == "hardlink":
             continue  # the same inode as its target, which carries the metadata

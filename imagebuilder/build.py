@@ -8,8 +8,8 @@
 4. ``media``: kernel and initrd out of the ISO, the staging medium, the NoCloud seed;
 5. ``accelerator``: KVM if it works, else TCG;
 6. ``install``: the installer in a libvirt domain, watched (:mod:`imagebuilder.watch`);
-7. ``provision``: the provisioning boot on an overlay of the installed base, ending with the seal's export;
-8. ``seal``: the image's disk assembled on this host from that export, deterministically
+7. ``provision``: the provisioning boot on an overlay of the installed base;
+8. ``seal``: the image's disk assembled on this host from that overlay, read offline, deterministically
    (:mod:`imagebuilder.seal`: the lock's identifiers and ``SOURCE_DATE_EPOCH``);
 9. ``image``: the compacted QCOW2; then the manifest, the trust outputs and the atomic publish.
 
@@ -516,11 +516,6 @@ class Build:
             hint="qemu-img could not create the overlay on the installed base")  # fmt: skip
         console, data = work / "console.log", work / "data.log"
         self.paths["console"] = console
-        # the seal's export (imagebuilder.seal): a sparse raw disk, larger than the image's disk
-        seal_disk = work / "seal.raw"
-        with seal_disk.open("wb") as fh:
-            fh.truncate(defn.disk_size_bytes + seal.SLACK)
-        self.paths["seal_disk"] = seal_disk
         with contextlib.ExitStack() as stack:
             conn = self._connect(stack)
             spec = DomainSpec(
@@ -538,7 +533,6 @@ class Build:
                 disk=overlay,
                 cdrom=None,
                 readonly_disks=(self.paths["staging"],),
-                writable_disks=((seal_disk, seal.SERIAL),),
                 console_log=console,
                 data_log=data,
                 firmware="none",
@@ -559,14 +553,16 @@ class Build:
         return {"this build's webhook token": token.encode()} if token else {}
 
     def seal_image(self, work: Path) -> seal.Sealed:
-        """The image's raw disk from the provisioning boot's export: the lock's identifiers and time; refused when
-        a file still names the installer's identifiers or holds a credential of the build."""
+        """The image's raw disk from the provisioned overlay, read offline: the lock's identifiers and time; refused
+        when a file still names the installer's identifiers or holds a credential of the build."""
         credentials = {**boottest.BUILDER_ADDRESSES, **self._credentials()}
-        sealed = seal.seal(self.paths["seal_disk"], work / "image.raw", self.identity, work=work / "seal",
-                           credentials=credentials)  # fmt: skip
-        if not self.opts.keep_work:  # kept, the seal can be run again on it (imagebuilder.seal.seal)
-            self.paths["seal_disk"].unlink()
-        self.paths["disk"].unlink()  # the overlay: the image is the sealed disk
+        source = seal.read_provisioned(self.paths["disk"], work / "seal", epoch=self.identity.source_date_epoch,
+                                       needles=credentials)  # fmt: skip
+        sealed = seal.seal(
+            source, work / "image.raw", self.identity, work=work / "seal", credentials=credentials
+        )
+        if not self.opts.keep_work:  # kept, the seal can be run again on it
+            self.paths["disk"].unlink()
         self.paths["disk"] = sealed.disk
         return sealed
 
@@ -811,7 +807,7 @@ class Build:
             "identity": self.identity.to_json(),
             "seal": {
                 "entries": sealed.entries,
-                "layout": sealed.header.layout().to_json(),
+                "layout": sealed.layout.to_json(),
             },
         }
         manifest["installed_size"] = sealed.assembled.root_used_bytes

@@ -1,57 +1,45 @@
-"""The seal: the provisioned image's file systems exported from the build VM, assembled again deterministically.
+"""The seal: the provisioned image's file systems assembled again, deterministically, on this host.
 
-The provisioning boot ends with the staging plan's ``seal`` step (cloud-init/stage.sh): inside the
-guest, where owners, modes and capabilities are what the image holds, it writes one POSIX tar archive of
-the finished root file system (a bind mount of ``/``: nothing mounted over it) and of the EFI system
-partition onto a raw disk of its own (serial :data:`SERIAL`), and at its start a header
-(:class:`Header`): the provisioned disk's size and GPT (``sfdisk -J``), which partitions are the root
-and the ESP, their labels, and the identifiers the installer gave the disk, which the image must no
-longer name. :func:`seal` reads it on the host (:mod:`imagebuilder.sealtree`: every member checked;
-content on the host, metadata kept) and writes the image's raw disk in one pass
-(:mod:`imagebuilder.assemble`) with the lock's identifiers and ``SOURCE_DATE_EPOCH``
-(:mod:`imagebuilder.reproducible`). The result does not depend on which installer ran, how the build VM
-placed blocks, or when: docs/reproducible.md.
+After the provisioning boot powered off, the ``seal`` phase reads its disk offline (the build's overlay
+of the installed base: :func:`read_provisioned`): the GPT and the two file systems' labels and
+identifiers, the root file system (ext4, its journal replayed on a copy) and the EFI system partition
+(FAT) as trees (:mod:`imagebuilder.disktree`: content on this host, every member's metadata kept,
+mtimes clamped to ``SOURCE_DATE_EPOCH``). :func:`seal` then writes the image's raw disk in one pass
+(:mod:`imagebuilder.assemble`) with the lock's identifiers and time (:mod:`imagebuilder.reproducible`).
+The result does not depend on which installer ran, how the build VM placed blocks, or when:
+docs/reproducible.md.
 
-Seal disk layout::
+The same assembly takes a tar archive of the two trees (:func:`source_from_archive`,
+:mod:`imagebuilder.sealtree`: every member checked), for trees that do not come from a VM.
 
-    0        "NODETRUST-SEAL 1\\n" + one line of JSON (the header) + "\\n", zero-padded
-    1 MiB    the archive: root/... (the root file system) then esp/... (the EFI system partition)
-
-Two further jobs happen here because the seal reads every byte of the image anyway: the archive
-is searched for the installer's identifiers (a file that still names them would make the image differ
-from build to build, and name a file system that no longer exists) and for the build's credentials
-(:data:`SCRUB` removes what normally holds them); either fails the build, naming the files.
+Two further jobs happen here because the seal reads every byte of the image anyway: every file,
+symbolic link target and extended attribute is searched for the installer's identifiers (a file that
+still names them would make the image differ from build to build, and name a file system that no
+longer exists) and for the build's credentials (:data:`SCRUB` removes what normally holds them);
+either fails the build, naming the files, never the secret.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO
 
 from imagebuilder.assemble import Assembled, Layout, assemble, layout_from_sfdisk
-from imagebuilder.errors import BuildError
+from imagebuilder.disktree import read_ext4, read_fat
+from imagebuilder.errors import BuildError, CommandError
 from imagebuilder.reproducible import Identity
+from imagebuilder.run import run
 from imagebuilder.sealtree import Tree, read_archive
 
 log = logging.getLogger(__name__)
-
-#: The serial of the raw disk the provisioning boot writes the seal archive to.
-SERIAL = "nodetrust-seal"
-MAGIC = b"NODETRUST-SEAL 1\n"
-ARCHIVE_OFFSET = 1 << 20
-HEADER_LIMIT = ARCHIVE_OFFSET
-#: The seal disk is larger than the image's disk by this much (a tar archive's headers and padding).
-SLACK = 1 << 30
-_UUID = re.compile(r"[0-9A-Fa-f]{8}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}-[0-9A-Fa-f]{12}")
-_VOLID = re.compile(r"[0-9A-Fa-f]{4}-[0-9A-Fa-f]{4}")
-_DEVICE = re.compile(r"/dev/[a-z0-9]+?p?(\d+)")
 
 #: What the staging plan removes from the image before the seal (plan entries ``remove`` and ``empty``,
 #: in this order). The installer's logs carry the autoinstall user-data with the build's webhook token;
@@ -71,94 +59,134 @@ SCRUB: tuple[tuple[str, str], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class PartInfo:
-    number: int
-    label: str
-    uuid: str  # the file system's UUID (a FAT volume ID for the ESP) as the installer made it
-    partuuid: str
-
-
-@dataclass(frozen=True)
-class Header:
-    disk_bytes: int
-    table: dict[str, Any]
-    root: PartInfo
-    esp: PartInfo
-    disk_guid: str
-    archive_bytes: int
-
-    def layout(self) -> Layout:
-        return layout_from_sfdisk(self.table, self.disk_bytes, root_partition=self.root.number)
-
-    def old_identifiers(self) -> dict[str, bytes]:
-        """What the image must no longer name: the installer's random identifiers (label -> bytes)."""
-        return {
-            "the installer's root file system UUID": self.root.uuid.encode(),
-            "the installer's EFI system partition volume ID": self.esp.uuid.encode(),
-            "the installer's root partition GUID": self.root.partuuid.encode(),
-            "the installer's EFI system partition GUID": self.esp.partuuid.encode(),
-            "the installer's disk GUID": self.disk_guid.encode(),
-        }
+#: Folders whose bbolt databases the staging plan rewrites canonically (plan entry ``bolt``,
+#: imagebuilder/guest/boltcanon.py): containerd's, after the build imported the node's images.
+BOLT_DIRS = ("/var/lib/containerd",)
+#: The rewriting script, on the staging medium.
+BOLT_SCRIPT = "boltcanon.py"
 
 
 class SealError(BuildError):
-    """The seal disk is missing, unreadable, or holds what the image must not."""
+    """The provisioned disk cannot be read, or holds what the image must not."""
 
 
-def _part(data: object, what: str) -> PartInfo:
-    if not isinstance(data, dict):
-        raise SealError(f"the seal header's {what} is not an object")
-    device = str(data.get("partition", ""))
-    match = _DEVICE.fullmatch(device)
-    label, uuid, partuuid = (str(data.get(k, "")) for k in ("label", "uuid", "partuuid"))
-    problems = []
-    if match is None:
-        problems.append(f"partition {device!r} is not a partition device")
-    if not (_UUID.fullmatch(uuid) or _VOLID.fullmatch(uuid)):
-        problems.append(f"uuid {uuid!r}")
-    if not _UUID.fullmatch(partuuid):
-        problems.append(f"partuuid {partuuid!r}")
-    if not re.fullmatch(r"[A-Za-z0-9._+ -]{0,16}", label):
-        problems.append(f"label {label!r}")
-    if problems or match is None:
-        raise SealError(f"the seal header's {what}: " + ", ".join(problems))
-    return PartInfo(int(match.group(1)), label.strip(), uuid, partuuid)
+@dataclass
+class Source:
+    """What the seal assembles: the provisioned disk's layout, labels and identifiers, and its two trees."""
+
+    layout: Layout
+    root_label: str
+    esp_label: str
+    old_ids: dict[
+        str, bytes
+    ]  # the installer's random identifiers (label -> bytes): the image must not name them
+    trees: dict[str, Tree]  # root, esp
+    timings: dict[str, float] = field(default_factory=dict)
 
 
-def read_header(raw: Path) -> Header:
-    """The header of the seal disk ``raw``: what the provisioning boot's seal step wrote before its archive."""
+def _probe(raw: Path, offset: int) -> dict[str, str]:
+    out = run(["blkid", "-p", "-O", str(offset), "-o", "export", str(raw)], check=False, timeout=120).text
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def _copy_range(source: Path, dest: Path, offset: int, size: int) -> None:
+    """``size`` bytes of ``source`` from ``offset`` into the new file ``dest``, its holes kept."""
+    with source.open("rb") as src, dest.open("wb") as out:
+        out.truncate(size)
+        fd, pos, end = src.fileno(), offset, offset + size
+        while pos < end:
+            try:
+                data = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError:
+                break
+            if data >= end:
+                break
+            hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+            out.seek(data - offset)
+            src.seek(data)
+            left = hole - data
+            while left > 0:
+                chunk = src.read(min(left, 16 << 20))
+                if not chunk:
+                    break
+                out.write(chunk)
+                left -= len(chunk)
+            pos = hole
+
+
+def read_provisioned(
+    disk: Path, work: Path, *, epoch: int, needles: Mapping[str, bytes] | None = None
+) -> Source:
+    """The provisioned disk ``disk`` (a QCOW2, its backing chain included), read offline into ``work``."""
+    started = time.monotonic()
+    work.mkdir(parents=True, exist_ok=True)
+    raw = work / "provisioned.raw"
+    image = work / "root.ext4"
     try:
-        with raw.open("rb") as fh:
-            head = fh.read(HEADER_LIMIT)
-    except OSError as exc:
-        raise SealError(f"cannot read the seal disk {raw}: {exc.strerror}") from exc
-    if not head.startswith(MAGIC):
-        raise SealError(
-            "the provisioning boot wrote no seal (the seal disk has no NODETRUST-SEAL header)",
-            hint="the staging plan's seal step did not run or failed: see the console log around `seal`",
-        )
-    line = head[len(MAGIC) :].split(b"\n", 1)[0]
-    try:
-        data = json.loads(line)
-    except ValueError as exc:
-        raise SealError(f"the seal header is not JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise SealError("the seal header is not a JSON object")
-    disk_bytes, archive = data.get("disk_bytes"), data.get("archive")
-    table, guid = data.get("table"), str(data.get("disk_guid", ""))
-    if not isinstance(disk_bytes, int) or disk_bytes <= 0 or not isinstance(table, dict):
-        raise SealError("the seal header has no disk size or partition table")
-    if not isinstance(archive, dict) or not isinstance(archive.get("bytes"), int) or archive["bytes"] <= 0:
-        raise SealError("the seal header does not say how long the archive is")
-    if archive.get("offset", ARCHIVE_OFFSET) != ARCHIVE_OFFSET:
-        raise SealError(
-            f"the seal archive is expected at {ARCHIVE_OFFSET}, the header says {archive.get('offset')}"
-        )
-    if not _UUID.fullmatch(guid):
-        raise SealError(f"the seal header's disk_guid {guid!r} is not a GUID")
-    return Header(disk_bytes, table, _part(data.get("root"), "root"), _part(data.get("esp"), "esp"), guid,
-                  int(archive["bytes"]))  # fmt: skip
+        run(["qemu-img", "convert", "-q", "-f", "qcow2", "-O", "raw", str(disk), str(raw)], timeout=3600,
+            hint="qemu-img could not read the provisioned disk")  # fmt: skip
+        try:
+            table = json.loads(run(["sfdisk", "-J", str(raw)], timeout=120).stdout)
+        except (ValueError, CommandError) as exc:
+            raise SealError(f"the provisioned disk has no readable partition table: {exc}") from exc
+        layout = layout_from_sfdisk(table, raw.stat().st_size)
+        root_part, esp_part = layout.part(layout.root), layout.part(layout.esp)
+        root, esp = _probe(raw, root_part.offset), _probe(raw, esp_part.offset)
+        if root.get("TYPE") != "ext4" or esp.get("TYPE") != "vfat":
+            raise SealError(
+                f"the provisioned root file system is {root.get('TYPE') or 'unknown'} and the ESP "
+                f"{esp.get('TYPE') or 'unknown'}: the seal reads an ext4 root and a FAT ESP",
+                hint="the installer's direct layout makes both (docs/reproducible.md, Limits)",
+            )
+        pt = table.get("partitiontable", {})
+        parts = {
+            int(m[1]): p
+            for p in pt.get("partitions", [])
+            if (m := re.search(r"(\d+)$", str(p.get("node", ""))))
+        }
+        old_ids = {
+            "the installer's root file system UUID": root.get("UUID", "").encode(),
+            "the installer's EFI system partition volume ID": esp.get("UUID", "").encode(),
+            "the installer's root partition GUID": str(parts.get(layout.root, {}).get("uuid", "")).encode(),
+            "the installer's EFI system partition GUID": str(
+                parts.get(layout.esp, {}).get("uuid", "")
+            ).encode(),
+            "the installer's disk GUID": str(pt.get("id", "")).encode(),
+        }
+        all_needles = {**{k: v for k, v in old_ids.items() if v}, **(needles or {})}
+        _copy_range(raw, image, root_part.offset, root_part.bytes)
+        fsck = run(["e2fsck", "-fy", str(image)], check=False, timeout=3600)
+        if fsck.returncode not in (0, 1):
+            raise SealError(
+                f"the provisioned root file system fails e2fsck (status {fsck.returncode}): "
+                + (fsck.text.strip().splitlines() or [""])[-1],
+                hint="see the console log of the provisioning boot (did it power off cleanly?)",
+            )
+        copied = time.monotonic()
+        trees = {
+            "root": read_ext4(image, work / "root", epoch=epoch, needles=all_needles, work=work / "debugfs"),
+            "esp": read_fat(raw, esp_part.offset, work / "esp", epoch=epoch, needles=all_needles),
+        }
+    finally:
+        raw.unlink(missing_ok=True)
+        image.unlink(missing_ok=True)
+    done = time.monotonic()
+    return Source(layout, root.get("LABEL", ""), esp.get("LABEL", ""), old_ids, trees,
+                  {"copy_s": round(copied - started, 1), "read_s": round(done - copied, 1)})  # fmt: skip
+
+
+def source_from_archive(
+    fh: IO[bytes], length: int, layout: Layout, work: Path, *, epoch: int, labels: tuple[str, str] = ("", ""),
+    old_ids: Mapping[str, bytes] | None = None, needles: Mapping[str, bytes] | None = None,
+) -> Source:  # fmt: skip
+    """A :class:`Source` from a tar archive of ``root/...`` and ``esp/...`` (:func:`imagebuilder.sealtree.read_archive`)
+    for ``layout``; ``labels`` are the root's and the ESP's."""
+    trees = read_archive(
+        fh, offset=0, length=length, epoch=epoch, needles={**(old_ids or {}), **(needles or {})},
+        trees={"root": (work / "root", "root", layout.part(layout.root).bytes),
+               "esp": (work / "esp", "esp", layout.part(layout.esp).bytes)},
+    )  # fmt: skip
+    return Source(layout, labels[0], labels[1], dict(old_ids or {}), trees)
 
 
 @dataclass
@@ -166,10 +194,9 @@ class Sealed:
     """What the seal made and what it took."""
 
     disk: Path
-    header: Header
+    layout: Layout
     assembled: Assembled
     entries: int
-    archive_bytes: int
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -196,49 +223,28 @@ def _refuse_findings(trees: Mapping[str, Tree], credentials: Mapping[str, bytes]
 
 
 def seal(
-    seal_disk: Path,
+    source: Source,
     out: Path,
     ident: Identity,
     *,
     work: Path,
     credentials: Mapping[str, bytes] | None = None,
 ) -> Sealed:
-    """Read ``seal_disk`` and write the image's raw disk ``out`` (module docstring). ``credentials`` maps a
-    label (never the secret itself) to a byte string the image must not hold."""
+    """Write the image's raw disk ``out`` from ``source`` (module docstring). ``credentials`` maps a label (never
+    the secret itself) to a byte string the image must not hold: a tree that holds one, or still names one of the
+    installer's identifiers, is refused. The trees' folders are removed either way."""
     started = time.monotonic()
-    header = read_header(seal_disk)
-    layout = header.layout()
-    if layout.disk_bytes != header.disk_bytes:
-        raise SealError("the seal header's disk size and partition table disagree")
-    needles = {k: v for k, v in header.old_identifiers().items() if v.lower() not in _new_ids(ident)}
-    needles.update(credentials or {})
-    trees_dir = work / "trees"
-    trees_dir.mkdir(parents=True, exist_ok=True)
     try:
-        with seal_disk.open("rb") as fh:
-            trees = read_archive(
-                fh,
-                offset=ARCHIVE_OFFSET,
-                length=header.archive_bytes,
-                trees={
-                    "root": (trees_dir / "root", "root", layout.part(layout.root).bytes),
-                    "esp": (trees_dir / "esp", "esp", layout.part(layout.esp).bytes),
-                },
-                epoch=ident.source_date_epoch,
-                needles=needles,
-            )
-        read_s = time.monotonic() - started
-        _refuse_findings(trees, credentials or {})
-        assembled = assemble(out, layout, ident, esp=trees["esp"], root=trees["root"], esp_label=header.esp.label,
-                             root_label=header.root.label, work=work / "assemble")  # fmt: skip
+        _refuse_findings(source.trees, credentials or {})
+        assembled = assemble(out, source.layout, ident, esp=source.trees["esp"], root=source.trees["root"],
+                             esp_label=source.esp_label, root_label=source.root_label, work=work / "assemble")  # fmt: skip
     finally:
-        shutil.rmtree(trees_dir, ignore_errors=True)
-    entries = sum(len(t.entries) for t in trees.values())
-    total = time.monotonic() - started
-    log.info("seal: %d entries, %d MiB of archive read in %.1f s; disk assembled in %.1f s", entries,
-             header.archive_bytes >> 20, read_s, total - read_s)  # fmt: skip
-    return Sealed(out, header, assembled, entries, header.archive_bytes,
-                  {"read_s": round(read_s, 1), "assemble_s": round(total - read_s, 1)})  # fmt: skip
+        for tree in source.trees.values():
+            shutil.rmtree(tree.root, ignore_errors=True)
+    entries = sum(len(t.entries) for t in source.trees.values())
+    timings = {**source.timings, "assemble_s": round(time.monotonic() - started, 1)}
+    log.info("seal: %d entries; %s", entries, ", ".join(f"{k} {v} s" for k, v in timings.items()))
+    return Sealed(out, source.layout, assembled, entries, timings)
 
 
 def _new_ids(ident: Identity) -> set[bytes]:
@@ -251,13 +257,12 @@ def _new_ids(ident: Identity) -> set[bytes]:
 class PlanLines:
     """The staging plan's lines for a sealed image (cloud-init/stage.sh), by where they go."""
 
-    first: list[
-        str
-    ]  # ``epoch``: SOURCE_DATE_EPOCH for every tool of the plan (pip's bytecode: source hashes)
-    before_bootloader: list[str]  # ``identify``: /etc, /boot and the ESP name the lock's identifiers
-    last: list[
-        str
-    ]  # the scrub list, ``shadow`` (password ages clamped), ``seal`` (after the plan's clean-up)
+    #: ``epoch``: SOURCE_DATE_EPOCH for every tool of the plan (pip's bytecode then holds source hashes)
+    first: list[str]
+    #: ``identify``: /etc, /boot and the ESP name the lock's identifiers
+    before_bootloader: list[str]
+    #: ``bolt`` (containerd's databases), the scrub list, ``shadow`` (password ages)
+    last: list[str]
 
 
 def plan_lines(ident: Identity) -> PlanLines:
@@ -268,8 +273,8 @@ def plan_lines(ident: Identity) -> PlanLines:
             f"{ident.root_partition_uuid}\t{ident.esp_partition_uuid}"
         ],
         last=[
+            *(f"bolt\t{path}" for path in BOLT_DIRS),
             *(f"{kind}\t{path}" for kind, path in SCRUB),
             f"shadow\t{ident.source_date_epoch}",
-            f"seal\t{SERIAL}",
         ],
     )

@@ -47,6 +47,7 @@ import tarfile
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ from imagebuilder.bootmeasure import BOOT_INFO
 from imagebuilder.definition import Definition
 from imagebuilder.errors import BuildError
 from imagebuilder.lock import LockedInput, plain_name
-from imagebuilder.seal import PlanLines
+from imagebuilder.seal import BOLT_SCRIPT, PlanLines
 
 #: Where the installer puts the provisioning hook in the base; it removes itself when it is done.
 PROVISION_HOOK = "/usr/lib/nodetrust/provision-init"
@@ -172,6 +173,9 @@ def build_tree(
     its scrub list and the export at the end instead of ``trim``."""
     _start(tree)
     plan: list[str] = list(seal.first) if seal is not None else []
+    if seal is not None:
+        script = resources.files("imagebuilder.guest").joinpath(BOLT_SCRIPT).read_text(encoding="utf-8")
+        (tree / BOLT_SCRIPT).write_text(script, encoding="utf-8")
     kube = defn.kubernetes
 
     apt_items = [f for f in files if f.item.role == "apt" and f.item.key not in base_keys]

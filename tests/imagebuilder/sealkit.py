@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import io
-import json
 import tarfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from imagebuilder import assemble, seal
+from imagebuilder import assemble
 
 MIB = 2**20
 DISK = 200 * MIB
@@ -144,26 +142,3 @@ def esp_members(now: float) -> list[Member]:
         d("esp/EFI/debian", mode=0o700),
         Member("esp/EFI/debian/grub.cfg", data=b"search.fs_uuid new root\n", mtime=1_500_000_000),
     ]
-
-
-def seal_disk(path: Path, tar: bytes, *, header: dict[str, object] | None = None) -> Path:
-    """A seal disk as the provisioning boot's seal step writes it: header, then the archive at 1 MiB."""
-    head = header if header is not None else default_header(len(tar))
-    with path.open("wb") as fh:
-        fh.truncate(seal.ARCHIVE_OFFSET + len(tar) + MIB)
-        fh.write(seal.MAGIC + json.dumps(head).encode() + b"\n")
-        fh.seek(seal.ARCHIVE_OFFSET)
-        fh.write(tar)
-    return path
-
-
-def default_header(archive_bytes: int) -> dict[str, object]:
-    return {
-        "disk_bytes": DISK,
-        "disk_guid": OLD["disk_guid"],
-        "archive": {"offset": seal.ARCHIVE_OFFSET, "bytes": archive_bytes},
-        "root": {"partition": "/dev/vda2", "label": "cloudimg-rootfs", "uuid": OLD["root_uuid"],
-                 "partuuid": OLD["root_partuuid"]},
-        "esp": {"partition": "/dev/vda1", "label": "UEFI", "uuid": OLD["esp_uuid"], "partuuid": OLD["esp_partuuid"]},
-        "table": sfdisk_table(),
-    }  # fmt: skip

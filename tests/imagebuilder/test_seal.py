@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from imagebuilder import assemble, reproducible, seal, sealtree
-from imagebuilder.errors import BuildError
 from tests.imagebuilder import sealkit
 from tests.imagebuilder.sealkit import Member, d
 
@@ -334,30 +333,65 @@ def test_a_layout_the_seal_does_not_rebuild_is_refused() -> None:
     assert assemble.layout_from_sfdisk(table, sealkit.DISK) == sealkit.layout()
 
 
-# -- the seal disk ----------------------------------------------------------------------------------------------
+# -- the provisioned disk, read offline --------------------------------------------------------------------------
+
+#: stands in for the installer's random identifiers (and its time: later than the lock's, as a build is)
+INSTALLER = reproducible.identity("1a" * 32, "2026-12-01T00:00:00Z")
 
 
-def test_the_seal_reads_the_provisioning_boots_export(tmp_path: Path, disk: Path) -> None:
-    tar = _tar(time.time())
-    raw = sealkit.seal_disk(tmp_path / "seal.raw", tar)
-    done = seal.seal(raw, tmp_path / "image.raw", IDENT, work=tmp_path / "work")
+def _provisioned(tmp: Path, members: list[Member]) -> Path:
+    """A "provisioned" QCOW2 as a build VM leaves it: the archive's trees on a disk with other identifiers."""
+    tar = sealkit.archive(members)
+    lay = sealkit.layout()
+    trees = sealtree.read_archive(
+        io.BytesIO(tar), offset=0, length=len(tar), epoch=INSTALLER.source_date_epoch,
+        trees={"root": (tmp / "r", "root", lay.part(2).bytes), "esp": (tmp / "e", "esp", lay.part(1).bytes)},
+    )  # fmt: skip
+    raw = assemble.assemble(tmp / "provisioned.raw", lay, INSTALLER, esp=trees["esp"], root=trees["root"],
+                            esp_label="UEFI", root_label="cloudimg-rootfs", work=tmp / "w").disk  # fmt: skip
+    qcow2 = tmp / "provisioned.qcow2"
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)], check=True)
+    raw.unlink()
+    return qcow2
+
+
+def test_the_seal_reads_the_provisioned_disk_offline_and_gives_the_archives_disk(
+    tmp_path: Path, disk: Path
+) -> None:
+    """A disk with the same trees (made with other identifiers, at another time), read offline with debugfs and
+    mtools and sealed with the lock's identity, is byte for byte the disk assembled straight from the archive:
+    the ext4 reader and the archive reader see the same trees."""
+    members = [m for m in sealkit.root_members(time.time()) + sealkit.esp_members(time.time())]
+    qcow2 = _provisioned(tmp_path / "vm", members)
+    source = seal.read_provisioned(qcow2, tmp_path / "seal", epoch=EPOCH)
+    assert (source.root_label, source.esp_label) == ("cloudimg-rootfs", "UEFI")
+    assert source.old_ids["the installer's root file system UUID"] == INSTALLER.root_fs_uuid.encode()
+    assert (
+        source.old_ids["the installer's EFI system partition volume ID"] == INSTALLER.esp_volume_id.encode()
+    )
+    done = seal.seal(source, tmp_path / "image.raw", IDENT, work=tmp_path / "seal")
     assert _sha256(done.disk) == _sha256(disk)
-    assert done.entries == len(sealkit.root_members(0)) + len(sealkit.esp_members(0))
-    assert done.header.root.uuid == sealkit.OLD["root_uuid"] and done.assembled.root_used_bytes > 0
-    assert not (tmp_path / "work" / "trees").exists()  # the host copies are gone
+    assert done.entries == len(members) + 1  # and lost+found, which mke2fs made on the provisioned disk
+    assert not (tmp_path / "seal" / "root").exists() and not (tmp_path / "seal" / "esp").exists()
+    assert not list((tmp_path / "seal").glob("*.raw")) and not (tmp_path / "seal" / "root.ext4").exists()
 
 
 def test_a_file_that_still_names_the_installers_uuid_fails_the_seal(tmp_path: Path) -> None:
-    members = sealkit.root_members(0.0)
+    members = sealkit.root_members(0.0) + sealkit.esp_members(0.0)
     members.append(
-        Member("root/etc/crypttab", data=f"x UUID={sealkit.OLD['root_uuid'].upper()} none\n".encode())
+        Member("root/etc/crypttab", data=f"x UUID={INSTALLER.root_fs_uuid.upper()} none\n".encode())
     )
-    raw = sealkit.seal_disk(tmp_path / "seal.raw", sealkit.archive(members + sealkit.esp_members(0.0)))
-    with pytest.raises(
-        seal.SealError, match="the installer's root file system UUID in the root tree: /etc/crypttab"
-    ):
-        seal.seal(raw, tmp_path / "image.raw", IDENT, work=tmp_path / "work")
-    assert not (tmp_path / "image.raw").exists()
+    members.append(Member("esp/EFI/debian/boot.cfg", data=f"uuid {INSTALLER.esp_volume_id}\n".encode()))
+    source = seal.read_provisioned(_provisioned(tmp_path / "vm", members), tmp_path / "seal", epoch=EPOCH)
+    with pytest.raises(seal.SealError) as err:
+        seal.seal(source, tmp_path / "image.raw", IDENT, work=tmp_path / "seal")
+    assert "the installer's root file system UUID in the root tree: /etc/crypttab" in err.value.message
+    assert (
+        "the installer's EFI system partition volume ID in the esp tree: /EFI/debian/boot.cfg"
+        in err.value.message
+    )
+    assert "identify step" in err.value.hint
+    assert not (tmp_path / "image.raw").exists() and not (tmp_path / "seal" / "root").exists()
 
 
 def test_a_credential_of_the_build_fails_the_seal_and_is_never_printed(tmp_path: Path) -> None:
@@ -365,41 +399,32 @@ def test_a_credential_of_the_build_fails_the_seal_and_is_never_printed(tmp_path:
     members = sealkit.root_members(0.0)
     members += [d("root/var"), d("root/var/log"), d("root/var/log/installer"),
                 Member("root/var/log/installer/autoinstall-user-data", data=f"endpoint: {token}\n".encode())]  # fmt: skip
-    raw = sealkit.seal_disk(tmp_path / "seal.raw", sealkit.archive(members + sealkit.esp_members(0.0)))
+    credentials = {"this build's webhook token": token.encode()}
+    tar = sealkit.archive(members + sealkit.esp_members(0.0))
+    source = seal.source_from_archive(io.BytesIO(tar), len(tar), sealkit.layout(), tmp_path / "t", epoch=EPOCH,
+                                      needles=credentials)  # fmt: skip
     with pytest.raises(seal.SealError) as err:
-        seal.seal(raw, tmp_path / "image.raw", IDENT, work=tmp_path / "work",
-                  credentials={"this build's webhook token": token.encode()})  # fmt: skip
+        seal.seal(source, tmp_path / "image.raw", IDENT, work=tmp_path / "work", credentials=credentials)
     assert "credential of the build" in err.value.message
     assert (
         "this build's webhook token in the root tree: /var/log/installer/autoinstall-user-data"
         in err.value.message
     )
     assert token not in err.value.message + err.value.hint
+    assert not (tmp_path / "image.raw").exists()
 
 
-def test_a_seal_disk_without_a_header_says_the_seal_step_did_not_run(tmp_path: Path) -> None:
-    raw = tmp_path / "seal.raw"
-    raw.write_bytes(bytes(2 * sealkit.MIB))
-    with pytest.raises(seal.SealError, match="wrote no seal") as err:
-        seal.read_header(raw)
-    assert "console log" in err.value.hint
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        ({"disk_guid": "nope"}, "disk_guid"),
-        ({"archive": {"offset": 0, "bytes": 10}}, "expected at"),
-        ({"archive": {"bytes": 0}}, "how long the archive is"),
-        (
-            {"root": {"partition": "/dev/vda2", "label": 'x"y', "uuid": "u", "partuuid": "p"}},
-            "seal header's root",
-        ),
-        ({"table": "not an object"}, "no disk size or partition table"),
-    ],
-)
-def test_a_bad_seal_header_is_refused(tmp_path: Path, change: dict[str, object], message: str) -> None:
-    header = {**sealkit.default_header(10), **change}
-    raw = sealkit.seal_disk(tmp_path / "seal.raw", b"", header=header)
-    with pytest.raises(BuildError, match=re.escape(message)):
-        seal.read_header(raw)
+def test_a_provisioned_disk_without_ext4_and_fat_is_refused(tmp_path: Path) -> None:
+    raw = tmp_path / "disk.raw"
+    with raw.open("wb") as fh:
+        fh.truncate(sealkit.DISK)
+    subprocess.run(
+        ["sfdisk", "-q", str(raw)],
+        input=b"label: gpt\nsize=40MiB, type=U\nsize=100MiB, type=L\n",
+        check=True,
+    )
+    qcow2 = tmp_path / "disk.qcow2"
+    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)], check=True)
+    with pytest.raises(seal.SealError, match="the seal reads an ext4 root and a FAT ESP"):
+        seal.read_provisioned(qcow2, tmp_path / "seal", epoch=EPOCH)
+    assert not list((tmp_path / "seal").iterdir())
