@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -325,11 +326,27 @@ class Build:
         staging.base_tree(base_tree, defn, files, self.base_keys, pip_wheel=pip_path)
         self.paths["base_tree"] = base_tree
         iso_sha256 = next(f.item.sha256 for f in files if f.item.key == "iso")
+        seed_user_data = self._user_data(webhook=None).encode()
         self.base_material = base.base_material(
             defn,
             iso_sha256=iso_sha256,
-            user_data=self._user_data(webhook=None),
+            user_data=seed_user_data.decode(),
             medium_digest=staging.tree_digest(base_tree),
+        )
+        # recorded on every path (the installed base's input), as rendered without the per-build webhook token: the
+        # token is a credential of one run, never published, and the rest is what every build of the lock renders
+        self.extra_inputs.append(
+            {
+                "name": "autoinstall-user-data",
+                "kind": "seed",
+                "version": "",
+                "url": "",
+                "sha256": hashlib.sha256(seed_user_data).hexdigest(),
+                "size": len(seed_user_data),
+                "destination": "",
+                "verified_by": "rendered by this build from cloud-init/ (the digest of the rendering without the "
+                "installer's per-build webhook token)",
+            }
         )
         self.base_key = base.base_key(self.base_material)
         log.info("installed base key: %s", self.base_key)
@@ -380,18 +397,6 @@ class Build:
         webhook = autoinstall.webhook_url(self.token) if self.network == "listener" else None
         user_data = self._user_data(webhook=webhook)
         (work / "user-data").write_text(user_data, encoding="utf-8")
-        self.extra_inputs.append(
-            {
-                "name": "autoinstall-user-data",
-                "kind": "seed",
-                "version": "",
-                "url": "",
-                "sha256": outputs.sha256_file(work / "user-data"),
-                "size": (work / "user-data").stat().st_size,
-                "destination": "",
-                "verified_by": "rendered by this build from cloud-init/",
-            }
-        )
         # the installer's instance and host name: the base's (whichever build installs it), never this build's
         self.paths["seed"] = media.make_seed(
             user_data, autoinstall.meta_data(f"nodetrust-base-{self.base_key[:16]}"), work / "seed.iso"

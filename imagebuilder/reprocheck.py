@@ -122,14 +122,20 @@ _ABSENT: Any = object()
 
 
 def _keyed(items: list[Any]) -> dict[str, Any] | None:
-    """A list of objects with a ``name`` (outputs, inputs, packages...) keyed by it (by ``name@version`` where
-    names repeat); None when the list is not like that."""
+    """A list of objects with a ``name`` (outputs, inputs, packages...) keyed by it (by ``name@version``, then with
+    the kind and destination, where names repeat); None when the list is not like that."""
     if not items or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
         return None
-    keys = [str(i["name"]) for i in items]
-    if len(set(keys)) != len(keys):
-        keys = [f"{i['name']}@{i.get('version', '')}" for i in items]
-    return dict(zip(keys, items, strict=True)) if len(set(keys)) == len(keys) else None
+    for fields in (
+        ("name",),
+        ("name", "version"),
+        ("name", "version", "kind"),
+        ("name", "version", "kind", "destination"),
+    ):
+        keys = ["@".join(str(i.get(f, "")) for f in fields) for i in items]
+        if len(set(keys)) == len(keys):
+            return dict(zip(keys, items, strict=True))
+    return None
 
 
 def differences(published: Any, rebuilt: Any, path: str = "", *, limit: int = 200) -> list[Difference]:
