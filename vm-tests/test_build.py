@@ -275,7 +275,8 @@ def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, fu
                               "--work-dir", str(work), "--cache-dir", str(env.cache), "--report", str(report),
                               "--credentials", str(work / "credentials"), timeout=2400)  # fmt: skip
         assert tested.returncode == 1, f"exit {tested.returncode}\n{tested.stdout}\n{tested.stderr[-4000:]}"
-        verdict = json.loads(report.read_text())
+        report_text = report.read_text()  # before scratch() removes it
+        verdict = json.loads(report_text)
         # the test VM is gone (other engineers' boot tests may run at the same time: only ours counts)
         assert not [d for d in domains() if "boottest" in d and str(work) in _domain_xml(d)]
     failed = {c["name"]: c["detail"] for c in verdict["checks"] if not c["ok"]}
@@ -286,7 +287,7 @@ def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, fu
         "the builder's webhook address (with a build's token) in /var/log/autoinstall-user-data"
         in (failed["image/build-credentials"])
     )
-    assert TOKEN not in tested.stdout + tested.stderr + report.read_text()
+    assert TOKEN not in tested.stdout + tested.stderr + report_text
     assert "shipped a machine id (01234567..." in failed["image/machine-id"]
     assert "ssh_host_ed25519_key.pub" in failed["image/ssh-host-keys"]
     assert failed["image/build-leftovers"] == "the image ships what the build used: /usr/sbin/policy-rc.d"
