@@ -42,6 +42,21 @@
 #   generalise                      no machine-id, no SSH host keys, no installer cloud-init state, no $BUILD
 #   trim                            fstrim the root file system (freed blocks leave the QCOW2)
 #
+# Entries of a sealed image (imagebuilder/seal.py, docs/reproducible.md; the provisioning boot only):
+#
+#   epoch    SECONDS                SOURCE_DATE_EPOCH for every later step (pip's bytecode records source
+#                                   hashes instead of times)
+#   identify ROOT ESP DISK RPART EPART  the lock's identifiers replace the installer's random ones wherever
+#                                   /etc, /boot and the ESP name them (fstab, grub.cfg); the boot loader then
+#                                   embeds ROOT, the UUID the sealed root file system will have
+#   remove   PATTERN                rm -rf every match of PATTERN in the target (a build record or cache)
+#   empty    DIR                    remove every file under DIR, keep its folders (logs)
+#   shadow   SECONDS                password ages in /etc/shadow (and shadow-) clamped to SECONDS
+#   bolt     DIR                    every bbolt database under DIR (containerd's) rewritten canonically, its
+#                                   time stamps clamped to SOURCE_DATE_EPOCH (MEDIUM/boltcanon.py)
+#
+# The builder then reads the provisioned disk offline and assembles the image's disk from it (the seal).
+#
 # Progress goes to the console, with the seconds since the machine booted; the data (package list,
 # size, boot files) and the markers NODETRUST-STAGE-BEGIN / NODETRUST-STAGE-DONE go to DATA_PORT (a
 # second serial port the builder reads). Every step must succeed: a failure stops the script with a
@@ -88,6 +103,32 @@ boot_file() {
   [ -n "$newest" ] && echo "$newest"
 }
 
+# The block device whose serial is $1 (a raw disk the builder attached), or nothing.
+disk_by_serial() {
+  for serial in /sys/block/*/serial; do
+    [ "$(cat "$serial" 2>/dev/null)" = "$1" ] && echo "/dev/$(basename "$(dirname "$serial")")"
+  done
+  return 0
+}
+ESP_TYPE=c12a7328-f81f-11d2-ba4b-00a0c93ec93b
+# The running system's root partition, its disk and its EFI system partition (provisioning boot only: no udev,
+# so libblkid probes the devices itself): root_dev, disk, esp_dev.
+target_devices() {
+  root_dev=$(findmnt -no SOURCE / | head -n 1)
+  disk=/dev/$(lsblk -ndo PKNAME "$root_dev" | head -n 1)
+  esp_dev=""
+  for part in $(lsblk -lnpo NAME "$disk"); do
+    [ "$part" != "$disk" ] || continue
+    [ "$(blkid -p -s PART_ENTRY_TYPE -o value "$part" 2>/dev/null)" != "$ESP_TYPE" ] || esp_dev=$part
+  done
+  if [ ! -b "$root_dev" ] || [ ! -b "$disk" ] || [ -z "$esp_dev" ]; then
+    say "cannot tell the root partition ($root_dev), its disk ($disk) and the EFI system partition ($esp_dev)"
+    exit 1
+  fi
+}
+probe() { blkid -p -s "$1" -o value "$2" 2>/dev/null || true; }
+SEAL=/run/nodetrust-seal  # the identify and bolt steps' scratch space (tmpfs)
+
 [ -c "$DATA" ] || { say "the data port $DATA does not exist"; exit 1; }
 [ -f "$M/plan.tsv" ] || { say "$M/plan.tsv is missing: is $M the staging medium?"; exit 1; }
 say "staging from $M into ${T:-/}"
@@ -114,7 +155,9 @@ trap cleanup EXIT
 apt_ready=no
 # The plan is read on fd 3: the commands below (apt, curtin) must not eat it from stdin.
 exec 3< "$M/plan.tsv"
-while IFS="$TAB" read -r kind a b c d <&3; do
+SEAL_ROOT=""
+SEAL_ESP=""
+while IFS="$TAB" read -r kind a b c d e <&3; do
   case "$kind" in
     ""|"#"*) continue ;;
     apt)
@@ -263,7 +306,8 @@ while IFS="$TAB" read -r kind a b c d <&3; do
       fi
       kernel=${kernel#"$T"}
       initrd=${initrd#"$T"}
-      root=$(findmnt -no UUID --target "${T:-/}" 2>/dev/null || true)
+      root=$SEAL_ROOT  # a sealed image: the UUID its root file system will have (identify)
+      [ -n "$root" ] || root=$(findmnt -no UUID --target "${T:-/}" 2>/dev/null || true)
       [ -n "$root" ] || root=$(blkid -s UUID -o value "$(df --output=source "${T:-/}" | tail -n 1)")
       [ -n "$root" ] || { say "cannot tell the UUID of the root file system"; exit 1; }
       # shellcheck disable=SC1091,SC2086  # Debian's defaults file; its values are word lists
@@ -272,8 +316,10 @@ while IFS="$TAB" read -r kind a b c d <&3; do
       mounted=""
       if ! mountpoint -q "$T/boot/efi"; then
         # fstab names the ESP by /dev/disk/by-uuid/, which needs udev; libblkid finds it by UUID without one.
+        # A sealed image's fstab already names the ESP's final volume ID (identify): mount the partition itself.
         esp=$(awk '!/^[[:space:]]*#/ && $2 == "/boot/efi" { print $1; exit }' "$T/etc/fstab")
         case "$esp" in /dev/disk/by-uuid/*) esp="UUID=${esp#/dev/disk/by-uuid/}" ;; esac
+        [ -z "$SEAL_ESP" ] || esp=$SEAL_ESP
         mount -t vfat "$esp" "$T/boot/efi" || { say "cannot mount the ESP ($esp) at /boot/efi"; exit 1; }
         mounted=yes
       fi
@@ -295,10 +341,7 @@ while IFS="$TAB" read -r kind a b c d <&3; do
       ;;
     export)
       # The provisioning boot starts the base's own kernel directly: hand kernel and initrd to the builder.
-      dev=""
-      for serial in /sys/block/*/serial; do
-        [ "$(cat "$serial" 2>/dev/null)" = "$a" ] && dev=/dev/$(basename "$(dirname "$serial")")
-      done
+      dev=$(disk_by_serial "$a")
       [ -n "$dev" ] || { say "no disk with serial $a to export the boot files to"; exit 1; }
       kernel=$(boot_file vmlinuz) || true
       initrd=$(boot_file initrd.img) || true
@@ -351,6 +394,64 @@ while IFS="$TAB" read -r kind a b c d <&3; do
       ;;
     trim)
       fstrim "${T:-/}" >/dev/null 2>&1 || true
+      ;;
+    epoch)
+      SOURCE_DATE_EPOCH=$a
+      export SOURCE_DATE_EPOCH
+      say "SOURCE_DATE_EPOCH=$a"
+      ;;
+    identify)
+      [ -z "$T" ] || { say "identify: only the staging plan (the provisioning boot) sets the image's identifiers"; exit 1; }
+      target_devices
+      old_root=$(probe UUID "$root_dev")
+      old_esp=$(probe UUID "$esp_dev")
+      old_disk=$(probe PTUUID "$disk")
+      old_rpart=$(probe PART_ENTRY_UUID "$root_dev")
+      old_epart=$(probe PART_ENTRY_UUID "$esp_dev")
+      for id in "$old_root" "$old_esp" "$old_disk" "$old_rpart" "$old_epart"; do
+        case "$id" in ""|*[!0-9A-Fa-f-]*) say "identify: an identifier of the installer's disk is unreadable ($id)"; exit 1 ;; esac
+      done
+      mkdir -p "$SEAL/esp"
+      mount -t vfat "$esp_dev" "$SEAL/esp" || { say "identify: cannot mount the ESP $esp_dev"; exit 1; }
+      say "identify: root file system $old_root -> $a, ESP $old_esp -> $b, disk $old_disk -> $c"
+      # every text file of /etc, /boot and the ESP that names an old identifier gets the new one
+      grep -rlIiZF -e "$old_root" -e "$old_esp" -e "$old_disk" -e "$old_rpart" -e "$old_epart" \
+          /etc /boot "$SEAL/esp" 2>/dev/null \
+        | xargs -0 -r sed -i -e "s/$old_root/$a/gI" -e "s/$old_esp/$b/gI" -e "s/$old_disk/$c/gI" \
+          -e "s/$old_rpart/$d/gI" -e "s/$old_epart/$e/gI"
+      umount "$SEAL/esp"
+      SEAL_ROOT=$a
+      SEAL_ESP=$esp_dev
+      ;;
+    remove)
+      # shellcheck disable=SC2086  # a is a pattern: expanded here, inside the target
+      for path in $T$a; do
+        if [ -e "$path" ] || [ -L "$path" ]; then rm -rf -- "$path"; fi
+      done
+      ;;
+    empty)
+      [ ! -d "$T$a" ] || find "$T$a" -xdev ! -type d -delete
+      ;;
+    shadow)
+      day=$((a / 86400))
+      for f in "$T/etc/shadow" "$T/etc/shadow-"; do
+        [ -f "$f" ] || continue
+        awk -F: -v OFS=: -v day="$day" '$3 ~ /^[0-9]+$/ && $3 > day { $3 = day } { print }' "$f" > "$f.nodetrust"
+        cat "$f.nodetrust" > "$f"
+        rm -f "$f.nodetrust"
+      done
+      ;;
+    bolt)
+      if [ -d "$T$a" ]; then
+        say "bolt: canonical databases under $a"
+        mkdir -p "$SEAL"
+        if ! find "$T$a" -xdev -type f -name '*.db' \
+            -exec python3 "$M/boltcanon.py" "${SOURCE_DATE_EPOCH:?the epoch entry comes first}" {} + > "$SEAL/bolt.log" 2>&1; then
+          say "bolt: $(tail -n 5 "$SEAL/bolt.log")"
+          exit 1
+        fi
+        while IFS= read -r line; do say "bolt: $line"; done < "$SEAL/bolt.log"
+      fi
       ;;
     *)
       say "unknown plan entry: $kind"

@@ -72,8 +72,12 @@ def _drop_nulls(value: Any) -> Any:
     return value
 
 
+#: What every webhook URL of a build starts with (after ``http://``): a file of the image holding it holds a token.
+WEBHOOK_PREFIX = f"{GUEST_LISTENER}/nodetrust/"
+
+
 def webhook_url(token: str) -> str:
-    return f"http://{GUEST_LISTENER}/nodetrust/{token}/events"
+    return f"http://{WEBHOOK_PREFIX}{token}/events"
 
 
 def user_data(defn: Definition, *, webhook: str | None, data_port: str = DATA_PORT) -> str:

@@ -43,7 +43,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from imagebuilder import media, nodespec, outputs
+from imagebuilder import imagescan, media, nodespec, outputs
+from imagebuilder.autoinstall import WEBHOOK_PREFIX
 from imagebuilder.bootvm import BootSpec, BootVm
 from imagebuilder.definition import Definition
 from imagebuilder.domain import DATA_PORT, GUEST_FORWARD
@@ -70,7 +71,11 @@ POWEROFF_S = 120.0
 CONSOLE_TAIL = 40
 NTP_PORT = 123
 GUEST_NTP_SERVER = "127.0.0.1"  # the guest's end of the relay to the host's NTP server (imagebuilder.sntp)
-HOST_CHECKS = ("measured-boot/reference",)  # made by the host from the report, after the guest's checks
+CREDENTIALS_CHECK = "image/build-credentials"
+#: made by the host: the credential search before the boot, the event log's comparison after it
+HOST_CHECKS = (CREDENTIALS_CHECK, "measured-boot/reference")
+#: what every build's credentials include: the address only a build's installer reports to (with its token)
+BUILDER_ADDRESSES = {"the builder's webhook address (with a build's token)": WEBHOOK_PREFIX.encode()}
 EARLY_CHECKS = ("image/machine-id", "image/ssh-host-keys", "image/agent-config", "image/build-leftovers")
 
 
@@ -161,7 +166,7 @@ def expect_from_manifest(manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 def expected_checks(expect: Mapping[str, Any]) -> list[str]:
     """The names of the checks a complete report holds for ``expect``."""
-    names = list(EARLY_CHECKS)
+    names = [*EARLY_CHECKS, CREDENTIALS_CHECK]
     if expect.get("kubernetes"):
         names += ["kubernetes/installed", "kubernetes/held", "kubernetes/staged"]
     names += [f"files/{group}" for group in sorted({str(e["group"]) for e in expect.get("files", [])})]
@@ -403,6 +408,20 @@ class BootTestOptions:
     measurements: bytes | None = (
         None  # the build's boot-measurements.json: the guest's event log must match it
     )
+    # label -> secret: credentials of the build the image must not carry (the build's own, or --credentials)
+    credentials: Mapping[str, bytes] = field(default_factory=dict)
+
+
+def credentials_check(image: Path, work: Path, credentials: Mapping[str, bytes]) -> Check:
+    """``image/build-credentials``: none of ``credentials`` (and no builder address) in any allocated byte of the
+    image, plain or base64 (:mod:`imagebuilder.imagescan`). The secrets are never printed, only their labels."""
+    secrets = {**BUILDER_ADDRESSES, **credentials}
+    found = imagescan.scan_image(image, work, secrets)
+    if not found:
+        return Check(CREDENTIALS_CHECK, True, f"none of {len(secrets)} credential(s) and builder addresses in the "
+                     f"image's bytes ({', '.join(sorted(secrets))})")  # fmt: skip
+    where = "; ".join(f"{label} in {', '.join(places[:6])}" for label, places in sorted(found.items()))
+    return Check(CREDENTIALS_CHECK, False, f"the image carries a credential of the build: {where}")
 
 
 def run_boot_test(opts: BootTestOptions) -> Verdict:
@@ -419,6 +438,13 @@ def run_boot_test(opts: BootTestOptions) -> Verdict:
     tail = ""
     stack = contextlib.ExitStack()
     try:
+        credentials = credentials_check(opts.image, work / "scan", opts.credentials)
+        log.info(
+            "boot test: %s %s: %s",
+            "PASS" if credentials.ok else "FAIL",
+            credentials.name,
+            credentials.detail,
+        )
         seed = make_seed(expect, work / "seed.iso", label=str(opts.manifest.get("name", "image")))
         ntp = stack.enter_context(SntpServer.start())
         forward = stack.enter_context(relay.host_relay({}, {NTP_PORT: ntp.port}))
@@ -464,6 +490,7 @@ def run_boot_test(opts: BootTestOptions) -> Verdict:
         else:
             shutil.rmtree(work, ignore_errors=True)
     verdict = verdict_from_reports(lines, expect, problem=problem, console_tail=tail)
+    verdict.checks.insert(len([c for c in verdict.checks if c.name in EARLY_CHECKS]), credentials)
     if expect["measured_boot"]:
         if opts.measurements is None:
             verdict.checks.append(Check("measured-boot/reference", False, "the manifest names boot measurements "
@@ -500,6 +527,7 @@ def check_partial_folder(
     work_root: Path,
     libvirt_uri: str,
     keep_work: bool = False,
+    credentials: Mapping[str, bytes] | None = None,
 ) -> Verdict:
     """Run the boot test on a build's unpublished folder; write ``boot-test.json`` into it and list it in
     ``manifest``'s outputs (so SHA256SUMS and the signature cover it). Raises :class:`BootTestFailed`
@@ -509,6 +537,7 @@ def check_partial_folder(
         BootTestOptions(
             image=image, manifest=manifest, accel=accel, work_root=work_root, libvirt_uri=libvirt_uri,
             keep_work=keep_work, measurements=reference.read_bytes() if reference.is_file() else None,
+            credentials=dict(credentials or {}),
         )
     )  # fmt: skip
     for line in verdict.render().splitlines():

@@ -8,7 +8,14 @@
 4. ``media``: kernel and initrd out of the ISO, the staging medium, the NoCloud seed;
 5. ``accelerator``: KVM if it works, else TCG;
 6. ``install``: the installer in a libvirt domain, watched (:mod:`imagebuilder.watch`);
-7. ``image``: the compacted QCOW2; then the manifest, the trust outputs and the atomic publish.
+7. ``provision``: the provisioning boot on an overlay of the installed base;
+8. ``seal``: the image's disk assembled on this host from that overlay, read offline, deterministically
+   (:mod:`imagebuilder.seal`: the lock's identifiers and ``SOURCE_DATE_EPOCH``);
+9. ``image``: the compacted QCOW2; then the manifest, the trust outputs and the atomic publish.
+
+The same definition, lock, agent source and builder give the same image, byte for byte
+(docs/reproducible.md): the build id, the identifiers and every time stamp in the image come from the
+lock (:mod:`imagebuilder.reproducible`).
 
 Everything temporary lives in one work directory and the libvirt domain; both are removed
 on success, failure, Ctrl-C and SIGTERM. Nothing is published unless every phase passed.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib.metadata
 import logging
 import os
@@ -41,6 +49,8 @@ from imagebuilder import (
     interrupt,
     media,
     outputs,
+    reproducible,
+    seal,
     staging,
     wheelhouse,
 )
@@ -55,7 +65,7 @@ from imagebuilder.domain import (
     kernel_cmdline,
     provision_cmdline,
 )
-from imagebuilder.errors import BuildError, LockError
+from imagebuilder.errors import BuildError, LockError, OutputError
 from imagebuilder.lock import Lock, LockedInput, check_lock, default_lock_path, load_lock, plain_name
 from imagebuilder.progress import ProgressLog
 from imagebuilder.run import run, tool_version
@@ -134,10 +144,6 @@ class Phases:
         return lambda phase: self.progress.emit("start", f"{prefix}/{phase}")
 
 
-def new_build_id(name: str) -> str:
-    return f"{name}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(3)}"
-
-
 def _check_reachable(root: Path) -> None:
     """QEMU runs as another user under qemu:///system (libvirt-qemu): every parent must be traversable."""
     for parent in [root.resolve(), *root.resolve().parents]:
@@ -170,7 +176,12 @@ class Build:
         self.cache = Cache(opts.cache_dir)
         self.base_cache = base.BaseCache(opts.base_cache or opts.cache_dir / "bases")
         base.check_disk_size(self.defn)
-        self.build_id = new_build_id(self.defn.name)
+        # the build id names the inputs (the lock); this run's VMs and work directory get a unique name of their own
+        self.identity = reproducible.identity(self.lock.file_sha256, self.lock.created_at)
+        self.build_id = reproducible.build_id(
+            self.defn.name, self.lock.file_sha256, self.identity.source_date_epoch
+        )
+        self.run_id = f"{self.build_id}-{secrets.token_hex(3)}"
         self.progress = ProgressLog(opts.progress, self.build_id)
         self.phases = Phases(self.progress)
         self.watchdog = dataclasses.replace(self.defn.watchdog, **opts.idle_limits)
@@ -182,6 +193,13 @@ class Build:
 
     def check(self) -> None:
         check_lock(self.defn, self.lock)
+        if (self.opts.out / self.build_id).exists():
+            raise OutputError(
+                f"{self.opts.out / self.build_id} exists: a build of this lock is published there (a build id names "
+                "its lock: the same lock builds the same image)",
+                hint=f"`imagebuilder rebuild {self.opts.out / self.build_id}` rebuilds it and compares; or remove the "
+                "folder, or pass another --out",
+            )
         log.info(
             "build %s: %s, lock %s (%d inputs)",
             self.build_id,
@@ -308,16 +326,33 @@ class Build:
         staging.base_tree(base_tree, defn, files, self.base_keys, pip_wheel=pip_path)
         self.paths["base_tree"] = base_tree
         iso_sha256 = next(f.item.sha256 for f in files if f.item.key == "iso")
+        seed_user_data = self._user_data(webhook=None).encode()
         self.base_material = base.base_material(
             defn,
             iso_sha256=iso_sha256,
-            user_data=self._user_data(webhook=None),
+            user_data=seed_user_data.decode(),
             medium_digest=staging.tree_digest(base_tree),
+        )
+        # recorded on every path (the installed base's input), as rendered without the per-build webhook token: the
+        # token is a credential of one run, never published, and the rest is what every build of the lock renders
+        self.extra_inputs.append(
+            {
+                "name": "autoinstall-user-data",
+                "kind": "seed",
+                "version": "",
+                "url": "",
+                "sha256": hashlib.sha256(seed_user_data).hexdigest(),
+                "size": len(seed_user_data),
+                "destination": "",
+                "verified_by": "rendered by this build from cloud-init/ (the digest of the rendering without the "
+                "installer's per-build webhook token)",
+            }
         )
         self.base_key = base.base_key(self.base_material)
         log.info("installed base key: %s", self.base_key)
         info: dict[str, object] = {
-            "build_id": self.build_id,
+            # not the build id: nothing of one build's run goes into the image; the lock names its inputs
+            "lock_sha256": self.lock.file_sha256,
             "name": defn.name,
             "kubernetes": self._kubernetes(),
             "agent": {"venv": defn.agent.venv, "requirement": requirement},
@@ -335,6 +370,7 @@ class Build:
             agent_requirement=requirement,
             image_info=info,
             base_keys=self.base_keys,
+            seal=seal.plan_lines(self.identity),
         )
         self.paths["staging"] = media.make_iso(tree, work / "staging.iso", label=media.STAGING_LABEL)
         shutil.rmtree(tree)
@@ -361,20 +397,9 @@ class Build:
         webhook = autoinstall.webhook_url(self.token) if self.network == "listener" else None
         user_data = self._user_data(webhook=webhook)
         (work / "user-data").write_text(user_data, encoding="utf-8")
-        self.extra_inputs.append(
-            {
-                "name": "autoinstall-user-data",
-                "kind": "seed",
-                "version": "",
-                "url": "",
-                "sha256": outputs.sha256_file(work / "user-data"),
-                "size": (work / "user-data").stat().st_size,
-                "destination": "",
-                "verified_by": "rendered by this build from cloud-init/",
-            }
-        )
+        # the installer's instance and host name: the base's (whichever build installs it), never this build's
         self.paths["seed"] = media.make_seed(
-            user_data, autoinstall.meta_data(self.build_id), work / "seed.iso"
+            user_data, autoinstall.meta_data(f"nodetrust-base-{self.base_key[:16]}"), work / "seed.iso"
         )
         for key in ("kernel", "initrd", "base_medium", "seed"):
             self.paths[key].chmod(0o644)
@@ -408,7 +433,7 @@ class Build:
                 stack.callback(listener.close)
             conn = self._connect(stack)
             spec = DomainSpec(
-                name=DOMAIN_PREFIX + self.build_id,
+                name=DOMAIN_PREFIX + self.run_id,
                 build_id=self.build_id,
                 arch=defn.architecture,
                 accel=accel,
@@ -499,7 +524,7 @@ class Build:
         with contextlib.ExitStack() as stack:
             conn = self._connect(stack)
             spec = DomainSpec(
-                name=DOMAIN_PREFIX + self.build_id,
+                name=DOMAIN_PREFIX + self.run_id,
                 build_id=self.build_id,
                 arch=defn.architecture,
                 accel=accel,
@@ -526,6 +551,25 @@ class Build:
             ).run()
         self.paths["disk"] = overlay
         return result
+
+    def _credentials(self) -> dict[str, bytes]:
+        """This run's credentials (label -> secret): the installer's webhook token, on a full build."""
+        token = getattr(self, "token", "")
+        return {"this build's webhook token": token.encode()} if token else {}
+
+    def seal_image(self, work: Path) -> seal.Sealed:
+        """The image's raw disk from the provisioned overlay, read offline: the lock's identifiers and time; refused
+        when a file still names the installer's identifiers or holds a credential of the build."""
+        credentials = {**boottest.BUILDER_ADDRESSES, **self._credentials()}
+        source = seal.read_provisioned(self.paths["disk"], work / "seal", epoch=self.identity.source_date_epoch,
+                                       needles=credentials)  # fmt: skip
+        sealed = seal.seal(
+            source, work / "image.raw", self.identity, work=work / "seal", credentials=credentials
+        )
+        if not self.opts.keep_work:  # kept, the seal can be run again on it
+            self.paths["disk"].unlink()
+        self.paths["disk"] = sealed.disk
+        return sealed
 
     def _kubernetes(self) -> dict[str, Any]:
         kube = self.defn.kubernetes
@@ -693,14 +737,20 @@ class Build:
                     log.info("accelerator: %s (%s)", *accel)
             with phase("provision"):
                 result = self.provision(work, installed, accel[0])
-            partial = stack.enter_context(outputs.partial_folder(self.opts.out, self.build_id))
+            with phase("seal"):
+                sealed = self.seal_image(work)
+            partial = stack.enter_context(
+                outputs.partial_folder(self.opts.out, self.build_id, run_id=self.run_id)
+            )
             with phase("image"):
                 image = outputs.convert_image(
-                    self.paths["disk"], partial / f"{self.defn.name}.qcow2", compress=self.defn.compress
-                )
+                    self.paths["disk"], partial / f"{self.defn.name}.qcow2", compress=self.defn.compress,
+                    source_format="raw",
+                )  # fmt: skip
                 self.paths["disk"].unlink()
             self._console(partial / "console.log", installed)
             manifest = self.manifest(partial, result, image, accel, installed=installed, installer=installer)
+            self._reproducible(manifest, sealed)
             manifest["contents"] = boottest.image_contents(self.defn, files, requirement)
             if self.defn.architecture == "amd64":
                 # before the boot test (which compares the booted image's event log with it) and SHA256SUMS
@@ -718,6 +768,7 @@ class Build:
                     boottest.check_partial_folder(
                         partial, manifest, image=partial / f"{self.defn.name}.qcow2", accel=accel[0],
                         work_root=work, libvirt_uri=self.opts.libvirt_uri, keep_work=self.opts.keep_work,
+                        credentials=self._credentials(),
                     )  # fmt: skip
                 manifest["phases"].append(self.phases.records[-1])
             outputs.write_json(partial / "manifest.json", manifest)
@@ -753,6 +804,19 @@ class Build:
             with phase("base-store"):
                 installed = self.store_base(work, installer)
         return installed, installer, accel
+
+    def _reproducible(self, manifest: dict[str, Any], sealed: seal.Sealed) -> None:
+        """What makes the image reproducible, in its manifest; the installed size of the sealed file system."""
+        manifest["reproducible"] = {
+            "source_date_epoch": self.identity.source_date_epoch,
+            "identity": self.identity.to_json(),
+            "seal": {
+                "entries": sealed.entries,
+                "layout": sealed.layout.to_json(),
+            },
+        }
+        manifest["installed_size"] = sealed.assembled.root_used_bytes
+        manifest["tools"].update(sealed.assembled.tools)
 
     def _console(self, dest: Path, installed: base.Base) -> None:
         """The published console: the installer's (from the base, whichever build made it), then the

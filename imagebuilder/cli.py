@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "imagebuilder.commands.lock",
     "imagebuilder.commands.build",
     "imagebuilder.commands.test",
+    "imagebuilder.commands.rebuild",
     "imagebuilder.commands.keygen",
     "imagebuilder.commands.verify",
     "imagebuilder.commands.release",

@@ -47,9 +47,12 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def convert_image(source: Path, dest: Path, *, compress: bool) -> dict[str, Any]:
-    """A compacted copy of ``source`` (unallocated and zeroed clusters dropped), optionally compressed."""
-    argv = ["qemu-img", "convert", "-O", "qcow2", "-o", "compat=1.1"]
+def convert_image(
+    source: Path, dest: Path, *, compress: bool, source_format: str = "qcow2"
+) -> dict[str, Any]:
+    """A compacted copy of ``source`` (unallocated and zeroed clusters dropped), optionally compressed; the source's
+    format is named, never probed."""
+    argv = ["qemu-img", "convert", "-f", source_format, "-O", "qcow2", "-o", "compat=1.1"]
     if compress:
         argv.append("-c")
     run([*argv, str(source), str(dest)], hint="qemu-img could not convert the installed disk")
@@ -102,10 +105,10 @@ def finish_folder(folder: Path, *, key: Path | None) -> None:
 
 
 @contextlib.contextmanager
-def partial_folder(out: Path, build_id: str) -> Iterator[Path]:
-    """``<out>/.partial-<build-id>``, removed unless it was published."""
+def partial_folder(out: Path, build_id: str, *, run_id: str = "") -> Iterator[Path]:
+    """``<out>/.partial-<run id>`` (by default the build id), removed unless it was published."""
     out.mkdir(parents=True, exist_ok=True)
-    partial = out / f".partial-{build_id}"
+    partial = out / f".partial-{run_id or build_id}"
     if (out / build_id).exists():
         raise OutputError(f"{out / build_id} already exists")
     partial.mkdir()

@@ -3,7 +3,10 @@
 The image is the described root package (with its sha256). It CONTAINS every Debian package that
 ``dpkg-query`` found in the installed target (``packages``) and every input staged into it (``inputs``
 with a ``destination``); an input that was only used to build it (the installer ISO) is its
-BUILD_TOOL_OF. The output is deterministic except ``documentNamespace``, which is unique per call.
+BUILD_TOOL_OF. The output is a function of the manifest: for a reproducible build (its manifest has
+``reproducible``) ``documentNamespace`` is derived from the lock's digest and ``builtDate`` is
+``SOURCE_DATE_EPOCH``, so every build of one lock has the same SBOM; for a manifest without it the
+namespace is unique per call.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from urllib.parse import quote, urlsplit
 
 from imagebuilder.buildfolder import check_manifest, image_output, sorted_by
 from imagebuilder.errors import OutputError
+from imagebuilder.reproducible import iso_time, sbom_namespace_uuid
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,8 @@ def make_sbom(
 
     ``created`` is the creation time, ``YYYY-MM-DDThh:mm:ssZ``. ``distro`` is the purl namespace of the
     installed packages (``pkg:deb/<distro>/...``); it defaults to the manifest's ``distro`` key, then to
-    ``ubuntu``. ``namespace_uuid`` makes ``documentNamespace`` reproducible (tests); by default it is random.
+    ``ubuntu``. ``namespace_uuid`` sets the UUID in ``documentNamespace``; by default it is the lock's
+    (:func:`imagebuilder.reproducible.sbom_namespace_uuid`) for a reproducible build, else random.
     """
     try:
         checked = check_manifest(dict(manifest))
@@ -70,6 +75,12 @@ def make_sbom(
     build_id = str(checked["build_id"])
     image = image_output(checked)
     ids: set[str] = {DOCUMENT_ID, IMAGE_ID}
+    built = str(checked["finished_at"])
+    repro = checked.get("reproducible")
+    if isinstance(repro, Mapping) and isinstance(repro.get("source_date_epoch"), int):
+        built = iso_time(int(repro["source_date_epoch"]))
+        if namespace_uuid is None:
+            namespace_uuid = sbom_namespace_uuid(str(checked["lock"]["sha256"]))
 
     root: dict[str, Any] = {
         "SPDXID": IMAGE_ID,
@@ -77,7 +88,7 @@ def make_sbom(
         "versionInfo": build_id,
         "packageFileName": str(image["name"]),
         "checksums": [_sha256(str(image["sha256"]))],
-        "builtDate": str(checked["finished_at"]),
+        "builtDate": built,
         "primaryPackagePurpose": "OPERATING-SYSTEM",
         "comment": f"QCOW2 node image built by {checked['builder']['id']} {checked['builder']['version']}",
         **_unknowns(),

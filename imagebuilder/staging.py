@@ -47,6 +47,7 @@ import tarfile
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from imagebuilder.bootmeasure import BOOT_INFO
 from imagebuilder.definition import Definition
 from imagebuilder.errors import BuildError
 from imagebuilder.lock import LockedInput, plain_name
+from imagebuilder.seal import BOLT_SCRIPT, PlanLines
 
 #: Where the installer puts the provisioning hook in the base; it removes itself when it is done.
 PROVISION_HOOK = "/usr/lib/nodetrust/provision-init"
@@ -164,10 +166,16 @@ def build_tree(
     agent_requirement: str,
     image_info: dict[str, object],
     base_keys: AbstractSet[str] = frozenset(),
+    seal: PlanLines | None = None,
 ) -> list[str]:
-    """Write the staging tree (everything but the base's packages); return the plan lines."""
+    """Write the staging tree (everything but the base's packages); return the plan lines. With ``seal`` (a
+    reproducible image, :mod:`imagebuilder.seal`): its time first, its identifiers before the boot loader,
+    its scrub list and the export at the end instead of ``trim``."""
     _start(tree)
-    plan: list[str] = []
+    plan: list[str] = list(seal.first) if seal is not None else []
+    if seal is not None:
+        script = resources.files("imagebuilder.guest").joinpath(BOLT_SCRIPT).read_text(encoding="utf-8")
+        (tree / BOLT_SCRIPT).write_text(script, encoding="utf-8")
     kube = defn.kubernetes
 
     apt_items = [f for f in files if f.item.role == "apt" and f.item.key not in base_keys]
@@ -246,10 +254,13 @@ def build_tree(
         plan.append("sshd\tdisable")
     else:
         plan.append(f"sshd\t{'yes' if defn.ssh.allow_password else 'no'}")
+    if seal is not None:
+        plan += seal.before_bootloader
     if defn.architecture == "amd64":
         # The measured boot chain (imagebuilder.bootmeasure), once nothing else changes /boot.
         plan.append(f"bootloader\t{BOOT_INFO}")
-    plan += ["report", "generalise", "trim"]
+    plan += ["report", "generalise"]
+    plan += seal.last if seal is not None else ["trim"]
     return _write_plan(tree, plan)
 
 

@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 def write_trust_outputs(build_dir: Path, *, key: Path | None, created: str | None = None) -> None:
     """Write the SBOM, the provenance, ``SHA256SUMS`` and (with ``key``) the signature into ``build_dir``.
 
-    ``created`` (``YYYY-MM-DDThh:mm:ssZ``) is the SBOM's creation time; by default ``SOURCE_DATE_EPOCH``
-    when set, else now. The key is loaded first, so a bad key fails before anything is written. Trust
+    ``created`` (``YYYY-MM-DDThh:mm:ssZ``) is the SBOM's creation time; by default the manifest's
+    ``reproducible.source_date_epoch`` (every build of one lock has the same), else ``SOURCE_DATE_EPOCH`` when set,
+    else now. The key is loaded first, so a bad key fails before anything is written. Trust
     outputs already in the folder are replaced; a stale signature is removed when no key is given.
     Raises OutputError when the folder does not match its manifest, KeyFileError for a bad key.
     """
@@ -58,7 +59,7 @@ def write_trust_outputs(build_dir: Path, *, key: Path | None, created: str | Non
             log.info("replacing the existing %s", name)
             (build_dir / name).unlink()
 
-    sbom = dump_json(make_sbom(manifest, created=created or _created_now()))
+    sbom = dump_json(make_sbom(manifest, created=created or _created(manifest)))
     write_atomic(build_dir / SBOM, sbom)
     provenance = dump_json(make_provenance(manifest))
     write_atomic(build_dir / PROVENANCE, provenance)
@@ -120,7 +121,11 @@ def _check_outputs(build_dir: Path, manifest: Manifest) -> dict[str, str]:
     return digests
 
 
-def _created_now() -> str:
+def _created(manifest: Manifest) -> str:
+    """The manifest's SOURCE_DATE_EPOCH (a reproducible build's), else the environment's, else now."""
+    repro = manifest.get("reproducible")
+    if isinstance(repro, dict) and isinstance(repro.get("source_date_epoch"), int):
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(int(repro["source_date_epoch"])))
     epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
     try:
         seconds = int(epoch) if epoch else int(time.time())

@@ -63,7 +63,17 @@ def test_the_published_folder(full_build: Build) -> None:
     assert {"nodeagent", "autoinstall-user-data"} <= {i["name"] for i in manifest["inputs"]}
     assert manifest["kubernetes"] == {"installed": "1.36.3", "staged": ["1.34.2", "1.35.3", "1.37.2"]}
     phases = [p["name"] for p in manifest["phases"]]
-    for phase in ("fetch", "wheelhouse", "media", "install", "image", "install/boot", "install/late"):
+    for phase in (
+        "fetch",
+        "wheelhouse",
+        "media",
+        "install",
+        "provision",
+        "seal",
+        "image",
+        "install/boot",
+        "install/late",
+    ):
         assert phase in phases
     assert all(p["duration_s"] >= 0 for p in manifest["phases"])
     assert {"qemu-img", "libvirt", "python", "imagebuilder"} <= set(manifest["tools"])
@@ -126,7 +136,12 @@ def test_the_image_contents_match_the_manifest(full_build: Build) -> None:
             assert not files.exists("/etc/systemd/system/nodeagent.service")
             assert not files.exists("/etc/systemd/system/kubelet.service.d/10-nodeagent.conf")
             info = json.loads(files.text("/etc/nodetrust/image.json"))
-            assert info["build_id"] == manifest["build_id"]
+            # nothing of the run in the image: the lock names what it was built from (docs/reproducible.md)
+            assert info["lock_sha256"] == manifest["lock"]["sha256"] and "build_id" not in info
+            assert not files.exists(
+                "/var/log/installer"
+            )  # the installer's logs and its copy of the user-data
+            assert files.listdir("/var/log/apt") == [] and not files.exists("/var/log/dpkg.log")
             # the node's own first boot belongs to its datasource, not to the installer's cloud-init
             assert "99-installer.cfg" not in files.listdir("/etc/cloud/cloud.cfg.d")
             assert "nodeadmin" in files.text("/etc/passwd")
@@ -142,6 +157,7 @@ NAMED_CHECKS = (
     "image/ssh-host-keys",
     "image/agent-config",
     "image/build-leftovers",
+    "image/build-credentials",
     "kubernetes/installed",
     "kubernetes/held",
     "kubernetes/staged",
@@ -227,10 +243,14 @@ def test_the_build_boot_tested_the_image(full_build: Build) -> None:
     assert f"boot test passed: {len(NAMED_CHECKS)} checks" in full_build.stderr
 
 
+TOKEN = "5f4e3d2c1b0a99887766554433221100"
+
+
 def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, full_build: Build) -> None:
-    """A copy of the image with a machine id, an SSH host key and the build's no-daemons policy written
-    offline (as a build that forgot to generalise and clean up would ship it): `imagebuilder test` boots
-    it, exits 1 and names exactly those checks."""
+    """A copy of the image with a machine id, an SSH host key, the build's no-daemons policy and the installer's
+    copy of the autoinstall user-data (with a webhook token) written offline, as a build that forgot to
+    generalise and clean up would ship it: `imagebuilder test` boots it, exits 1 and names exactly those
+    checks; the token is never printed."""
     with scratch() as tmp:
         work = Path(tmp)
         work.chmod(0o755)
@@ -241,26 +261,39 @@ def test_imagebuilder_test_fails_an_image_that_shipped_its_identity(env: Env, fu
                 "/etc/ssh/ssh_host_ed25519_key.pub", b"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIshipped\n"
             )
             files.replace("/usr/sbin/policy-rc.d", b"#!/bin/sh\nexit 101\n")
+            leaked = (
+                f"reporting:\n  builder: {{endpoint: http://10.0.2.100:8080/nodetrust/{TOKEN}/events}}\n"
+            )
+            files.replace("/var/log/autoinstall-user-data", leaked.encode())
             broken = files.save_qcow2(work / "broken.qcow2")
         finally:
             files.close()
+        (work / "credentials").write_text(TOKEN + "\n")
         wait_for_other_vms()
         report = work / "report.json"
         tested = imagebuilder(env, "test", str(broken), "--manifest", str(full_build.folder / "manifest.json"),
                               "--work-dir", str(work), "--cache-dir", str(env.cache), "--report", str(report),
-                              timeout=2400)  # fmt: skip
+                              "--credentials", str(work / "credentials"), timeout=2400)  # fmt: skip
         assert tested.returncode == 1, f"exit {tested.returncode}\n{tested.stdout}\n{tested.stderr[-4000:]}"
-        verdict = json.loads(report.read_text())
+        report_text = report.read_text()  # before scratch() removes it
+        verdict = json.loads(report_text)
         # the test VM is gone (other engineers' boot tests may run at the same time: only ours counts)
         assert not [d for d in domains() if "boottest" in d and str(work) in _domain_xml(d)]
     failed = {c["name"]: c["detail"] for c in verdict["checks"] if not c["ok"]}
-    assert set(failed) == {"image/machine-id", "image/ssh-host-keys", "image/build-leftovers"}, failed
+    assert set(failed) == {"image/machine-id", "image/ssh-host-keys", "image/build-leftovers",
+                           "image/build-credentials"}, failed  # fmt: skip
+    assert "credentials line 1 in /var/log/autoinstall-user-data" in failed["image/build-credentials"]
+    assert (
+        "the builder's webhook address (with a build's token) in /var/log/autoinstall-user-data"
+        in (failed["image/build-credentials"])
+    )
+    assert TOKEN not in tested.stdout + tested.stderr + report_text
     assert "shipped a machine id (01234567..." in failed["image/machine-id"]
     assert "ssh_host_ed25519_key.pub" in failed["image/ssh-host-keys"]
     assert failed["image/build-leftovers"] == "the image ships what the build used: /usr/sbin/policy-rc.d"
     assert len(verdict["checks"]) == len(NAMED_CHECKS)  # the rest of the image still passes
     assert "FAIL image/machine-id:" in tested.stdout
     assert tested.stdout.rstrip().endswith(
-        f"boot test FAILED: 3 of {len(NAMED_CHECKS)} checks failed: "
-        "image/machine-id, image/ssh-host-keys, image/build-leftovers"
+        f"boot test FAILED: 4 of {len(NAMED_CHECKS)} checks failed: "
+        "image/machine-id, image/ssh-host-keys, image/build-leftovers, image/build-credentials"
     )

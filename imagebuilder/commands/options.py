@@ -54,6 +54,7 @@ COMMAND_OPTIONS: Mapping[str, tuple[str, ...]] = {
     "lock": ("lock", "cache_dir"),
     "build": ("lock", "cache_dir", "work_dir", "libvirt_uri", "accel", "keep_work"),
     "test": ("cache_dir", "work_dir", "libvirt_uri", "accel", "keep_work"),
+    "rebuild": ("lock", "cache_dir", "work_dir", "libvirt_uri", "accel", "keep_work"),
 }
 
 

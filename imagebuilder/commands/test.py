@@ -65,6 +65,11 @@ def register(subparsers: Any) -> None:
         "--json", action="store_true", help="print the JSON report on stdout instead of the text"
     )
     parser.add_argument(
+        "--credentials", type=Path, default=None, metavar="FILE",
+        help="a file of secrets the image must not carry, one per line (the build's: `imagebuilder build` passes its "
+        "own); image/build-credentials fails naming the line, never printing the secret",
+    )  # fmt: skip
+    parser.add_argument(
         "--timeout", type=float, default=boottest.TOTAL_S, metavar="SECONDS",
         help=f"give up on the boot after this long (default: {boottest.TOTAL_S:.0f})",
     )  # fmt: skip
@@ -158,6 +163,30 @@ def _check_report_path(report: Path, folder: Path | None) -> None:
 
 
 MEASUREMENTS_LIMIT = 1 << 20  # a build's boot-measurements.json is a few kilobytes
+CREDENTIALS_LIMIT = 64 << 10
+
+
+def read_credentials(path: Path) -> dict[str, bytes]:
+    """``{"<file> line N": secret}`` for each non-empty line of ``path`` (the secrets stay out of every message)."""
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(CREDENTIALS_LIMIT + 1)
+    except OSError as exc:
+        raise OutputError(f"--credentials {path}: cannot read it: {exc.strerror}") from exc
+    if len(data) > CREDENTIALS_LIMIT:
+        raise OutputError(
+            f"--credentials {path}: larger than {CREDENTIALS_LIMIT >> 10} KiB: not a list of secrets"
+        )
+    out = {
+        f"{path.name} line {n}": line.strip() for n, line in enumerate(data.splitlines(), 1) if line.strip()
+    }
+    short = [label for label, secret in out.items() if len(secret) < 8]
+    if short:
+        raise OutputError(
+            f"--credentials {path}: {', '.join(short)} shorter than 8 bytes: a search for it would match by chance",
+            hint="list whole secrets (tokens, passwords, keys), one per line",
+        )
+    return out
 
 
 def _measurements(manifest: dict[str, Any], manifest_dir: Path) -> bytes | None:
@@ -199,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     manifest_dir = (args.manifest or (folder or image.parent) / MANIFEST).parent
     measurements = _measurements(manifest, manifest_dir)  # verified before any VM starts
     boottest.expect_from_manifest(manifest)  # a manifest without what the test needs fails before any VM
+    credentials = read_credentials(args.credentials) if args.credentials is not None else {}
     if args.report is not None:
         _check_report_path(args.report, folder)
     arch = str(manifest.get("architecture", "amd64"))
@@ -216,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
                 keep_work=args.keep_work,
                 total_s=args.timeout,
                 measurements=measurements,
+                credentials=credentials,
             )
         )
     if args.report is not None:

@@ -12,7 +12,9 @@ boot changes it or from proof that this boot changed it:
 * ``image/ssh-host-keys``: no ``/etc/ssh/ssh_host_*`` older than this boot;
 * ``image/agent-config``: the agent's configuration folder exists and is empty;
 * ``image/build-leftovers``: nothing the build used inside the target is left (the base's
-  compiled pip, the staging medium's mount point and apt source, the no-daemons policy).
+  compiled pip, the staging medium's mount point and apt source, the no-daemons policy, the
+  installer's logs, the provisioning hook). The host adds ``image/build-credentials``: none of the
+  build's credentials in any byte of the image (imagebuilder.imagescan).
 
 The image enables ``systemd-time-wait-sync.service`` so that the agent (ordered after
 ``time-sync.target``) never runs on a wrong clock. The boot test serves the guest time as a rack
@@ -146,6 +148,8 @@ BUILD_LEFTOVERS = (
     "etc/apt/nodetrust-staging.list",
     "etc/apt/nodetrust-staging.d",
     "usr/sbin/policy-rc.d",
+    "var/log/installer",  # the installer's logs and its copy of the autoinstall user-data (the webhook token)
+    "usr/lib/nodetrust/provision-init",  # the provisioning boot's PID 1
 )
 
 

@@ -190,7 +190,7 @@ def test_the_checker_fails_an_image_that_kept_what_the_build_used(tmp_path: Path
     root = tmp_path / "root"
     (root / "var/lib").mkdir(parents=True)
     clean = boottest_check.check_build_leftovers(root)
-    assert clean["ok"] and "none of 5" in clean["detail"]
+    assert clean["ok"] and "none of 7" in clean["detail"]
     (root / "var/lib/nodetrust-build/pip").mkdir(parents=True)
     (root / "usr/sbin").mkdir(parents=True)
     (root / "usr/sbin/policy-rc.d").symlink_to("/nonexistent")  # a dangling link counts too
