@@ -2,7 +2,7 @@
 
 Two real ``imagebuilder build`` runs (the command line, as a user runs it) of examples/fixture-node.yaml,
 in the VM tier's environment (the fixture installer ISO, the loopback payload server, the shared
-download cache ``.cache/imagebuilder-vm-tests``), with a private base cache:
+download cache ``~/.cache/nodetrust/imagebuilder-downloads``), with a private base cache:
 
 1. **full**: ``--full`` (the installer runs, its result is cached as the installed base, then the
    provisioning boot and the convert);
@@ -45,10 +45,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.support.payload_server import PayloadServer, build_payloads  # noqa: E402
+from tests.support import cachedirs  # noqa: E402
+from tests.support.payload_server import PayloadServer, cached_payloads  # noqa: E402
 
 EXAMPLE = ROOT / "examples" / "fixture-node.yaml"
-CACHE = ROOT / ".cache" / "imagebuilder-vm-tests"
+CACHE = cachedirs.shared("imagebuilder-downloads")
 TARGET_RATIO = 0.25
 SEAL_TARGET = 0.10  # the seal may add at most this much to a full build
 _STAMP = re.compile(r"nodetrust-stage: \[([0-9.]+)s\] (identify:|boot loader:|bolt: canonical|done)")
@@ -182,7 +183,7 @@ def main() -> None:
     from fixtures.installer.build import build_installer_iso
 
     iso = build_installer_iso().iso
-    server = PayloadServer(build_payloads(ROOT / ".cache" / "imagebuilder-payloads"))
+    server = PayloadServer(cached_payloads(real_kubernetes=False))
     CACHE.mkdir(parents=True, exist_ok=True)
     environ = {
         **os.environ,

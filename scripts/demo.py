@@ -49,10 +49,12 @@ from demo_common import (
 )
 from demo_host import host_chain
 
+from tests.support import cachedirs
+
 FIXTURE_DEFINITION = ROOT / "examples" / "fixture-node.yaml"
 UBUNTU_DEFINITION = ROOT / "examples" / "ubuntu-2404-node.yaml"
 # The VM tier's download cache: offline, the fixture build only works from what it holds.
-DEFAULT_CACHE = ROOT / ".cache" / "imagebuilder-vm-tests"
+DEFAULT_CACHE = cachedirs.shared("imagebuilder-downloads")
 
 
 # -- the VM chain: services, image, seed, boot ------------------------------------------------------
@@ -189,16 +191,14 @@ def build_image(
         definition = _definition_variant(UBUNTU_DEFINITION, work / "ubuntu-2404-node.yaml", f"file://{iso}")
     else:
         from fixtures.installer.build import build_installer_iso
-        from tests.support.payload_server import REAL_PAYLOADS, PayloadServer, build_payloads
+        from tests.support.payload_server import PayloadServer, cached_payloads
 
         print("  no UBUNTU_ISO: the fixture image (a Debian-based fixture installer stands in for Ubuntu's)")
         built = build_installer_iso()
         fixture_iso = built.iso
         print(f"  fixture installer ISO: {fixture_iso}")
         # the real kubeadm, kubelet and kubectl (make peers) in the Kubernetes packages: the node joins a real cluster
-        root = build_payloads(
-            REAL_PAYLOADS, real_kubernetes=True, kernel=str(built.manifest.get("kernel") or "")
-        )
+        root = cached_payloads(real_kubernetes=True, kernel=str(built.manifest.get("kernel") or ""))
         payloads = PayloadServer(root)
         stack.callback(payloads.close)
         print(

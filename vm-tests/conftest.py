@@ -5,8 +5,8 @@ a host tool) fails the test with what to install or start. One VM runs at a time
 test boots anything it waits while another engineer's QEMU is running.
 
 Session fixtures share the expensive parts honestly: one fixture ISO, one payload server,
-one download cache (``.cache/imagebuilder-vm-tests``, kept across runs like any CI cache),
-one lock and one full build of ``examples/fixture-node.yaml``; several tests read that
+one download cache (``~/.cache/nodetrust/imagebuilder-downloads``: outside the checkout, so a clean
+clone reuses it like any CI cache), one lock and one full build of ``examples/fixture-node.yaml``; several tests read that
 build's outputs.
 """
 
@@ -30,11 +30,12 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from tests.support import cachedirs  # noqa: E402
 from tests.support.definitions import absolute_paths  # noqa: E402
-from tests.support.payload_server import REAL_PAYLOADS, PayloadServer, build_payloads  # noqa: E402
+from tests.support.payload_server import PayloadServer, cached_payloads  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "fixture-node.yaml"
-CACHE = REPO / ".cache" / "imagebuilder-vm-tests"
+CACHE = cachedirs.shared("imagebuilder-downloads")
 HOST_TOOLS = {
     "qemu-system-x86_64": "qemu-system-x86",
     "qemu-img": "qemu-utils",
@@ -107,8 +108,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     iso = built.iso
     try:
         # the real kubeadm, kubelet and kubectl (make peers), the NVIDIA stand-ins for the installer's kernel
-        root = build_payloads(REAL_PAYLOADS, real_kubernetes=True,
-                              kernel=str(built.manifest.get("kernel") or ""))  # fmt: skip
+        root = cached_payloads(real_kubernetes=True, kernel=str(built.manifest.get("kernel") or ""))
     except PeerError as exc:
         pytest.fail(f"the fixture payloads need the test peers: {exc}")
     server = PayloadServer(root)

@@ -2,7 +2,7 @@
 
 Public API::
 
-    CACHE = <repo>/.cache/imager-bootenv
+    CACHE = ~/.cache/nodetrust/imager-bootenv (tests.support.cachedirs)
     imager_bootenv(download_cache: Path | None = None) -> Path   # a folder with vmlinuz and initrd.img
 
 ``imagebuilder.bootenv`` builds it from pinned Debian packages (the lock, ``bootenv.lock.json``, is made on
@@ -18,9 +18,11 @@ import shutil
 import time
 from pathlib import Path
 
+from tests.support import cachedirs
+
 ROOT = Path(__file__).resolve().parents[2]
-CACHE = ROOT / ".cache" / "imager-bootenv"
-DOWNLOADS = ROOT / ".cache" / "imagebuilder-vm-tests"
+CACHE = cachedirs.shared("imager-bootenv")
+DOWNLOADS = cachedirs.shared("imagebuilder-downloads")
 
 
 def _inputs_key(lock: Path) -> str:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import gzip
 import hashlib
 import io
@@ -58,15 +59,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.support import kube_debs, nvidia_standins, oci_images, spire_release
+from tests.support import cachedirs, kube_debs, nvidia_standins, oci_images, spire_release
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET_KEY = Path(__file__).resolve().parent / "data" / "fixture-payload-signing.secret.asc"
 PUBLIC_KEY = REPO / "examples" / "keys" / "fixture-payload-signing.asc"
-DEFAULT_ROOT = REPO / ".cache" / "imagebuilder-payloads"
-REAL_PAYLOADS = (
-    REPO / ".cache" / "imagebuilder-payloads-real"
-)  # real_kubernetes=True: the VM tier's and make demo's
+#: The payload trees of :func:`cached_payloads`, one folder per digest of what makes them.
+PAYLOADS = cachedirs.shared("imagebuilder-payloads")
+#: What a payload tree is made from, besides FORMAT, its kind and its kernel: these modules, the signing key,
+#: and (for the real Kubernetes binaries) the peers' pins.
+_RECIPE_FILES = (
+    "payload_server.py",
+    "kube_debs.py",
+    "nvidia_standins.py",
+    "oci_images.py",
+    "spire_release.py",
+)
+KEEP_TREES = 3
 DEFAULT_PORT = 8765
 EPOCH = 1767225600  # 2026-01-01T00:00:00Z, every mtime in the payloads
 FORMAT = "7"  # bump when the payloads change
@@ -242,6 +251,29 @@ def _signing_home() -> Iterator[Path]:
 
 
 # -- the tree ------------------------------------------------------------------------------------------------
+
+
+def cached_payloads(*, real_kubernetes: bool, kernel: str = DEFAULT_KERNEL) -> Path:
+    """The payload tree for this kind and kernel in the machine's cache (:mod:`tests.support.cachedirs`),
+    built first if needed; one builder at a time, older trees pruned (the newest :data:`KEEP_TREES` stay).
+
+    The tree's folder is named by a digest of FORMAT, the kind, the kernel, the modules that make it, the
+    signing key and the peers' ``go.sum`` and ``peer.conf``: a clone with other payload code gets its own.
+    """
+    kernel = kernel or DEFAULT_KERNEL
+    here = Path(__file__).resolve().parent
+    files = [here / name for name in _RECIPE_FILES] + [SECRET_KEY]
+    if real_kubernetes:
+        files += sorted((REPO / "interop").glob("*/go.sum")) + sorted((REPO / "interop").glob("*/peer.conf"))
+    kind = "real" if real_kubernetes else "stand-in"
+    key = cachedirs.inputs_key(FORMAT, kind, kernel, files=files, base=REPO)
+    root = PAYLOADS / f"{kind}-{key}"
+    PAYLOADS.mkdir(parents=True, exist_ok=True)
+    with open(PAYLOADS / f".lock-{kind}-{key}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        build_payloads(root, real_kubernetes=real_kubernetes, kernel=kernel)
+    cachedirs.prune(PAYLOADS, keep=KEEP_TREES, current=root)
+    return root
 
 
 def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = DEFAULT_KERNEL) -> Path:
@@ -523,9 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.support.payload_server", description=__doc__.split("\n\n")[0]
     )
-    parser.add_argument(
-        "--root", type=Path, default=DEFAULT_ROOT, help=f"payload tree (default: {DEFAULT_ROOT})"
-    )
+    parser.add_argument("--root", type=Path, default=None,
+                        help=f"payload tree (default: one under {PAYLOADS}, named by what makes it)")  # fmt: skip
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"loopback port (default: {DEFAULT_PORT})"
     )
@@ -535,9 +566,12 @@ def main(argv: list[str] | None = None) -> int:
         "--kernel", default=DEFAULT_KERNEL, help="kernel release for the NVIDIA stand-in modules"
     )
     args = parser.parse_args(argv)
-    build_payloads(args.root, real_kubernetes=not args.stand_ins, kernel=args.kernel)
-    server = PayloadServer(args.root, args.port)
-    print(f"serving fixture payloads from {args.root} at {server.url} (Ctrl-C stops)", flush=True)
+    if args.root is None:
+        root = cached_payloads(real_kubernetes=not args.stand_ins, kernel=args.kernel)
+    else:
+        root = build_payloads(args.root, real_kubernetes=not args.stand_ins, kernel=args.kernel)
+    server = PayloadServer(root, args.port)
+    print(f"serving fixture payloads from {root} at {server.url} (Ctrl-C stops)", flush=True)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
