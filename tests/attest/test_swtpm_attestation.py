@@ -172,7 +172,7 @@ def test_twenty_agents_at_once(
     assert srv.app.store is not None and srv.app.store.count_agents() == 20
 
 
-def test_two_hundred_attestations_leave_nothing_in_the_tpm(
+def test_fifty_attestations_leave_nothing_in_the_tpm(
     tpms: Callable[..., Swtpm], servers: Callable[..., ServerThread], ek_ca_dir: Path, tmp_path: Path
 ) -> None:
     tpm = tpms()
@@ -182,7 +182,7 @@ def test_two_hundred_attestations_leave_nothing_in_the_tpm(
 
     async def many() -> set[str]:
         ids = set()
-        for _ in range(200):
+        for _ in range(50):  # past swtpm's 3 transient slots many times over; a leak shows in the counts
             with TpmAttestor(tpm.tcti) as t:
                 ids.add((await attest_async(target, t, store)).spiffe_id)
         return ids
@@ -190,7 +190,7 @@ def test_two_hundred_attestations_leave_nothing_in_the_tpm(
     assert len(asyncio.run(many())) == 1
     # swtpm has no resource manager: anything not flushed would still be there.
     assert transient_and_session_counts(tpm.tcti) == (0, 0)
-    assert sum(1 for line in srv.audit_lines() if line["result"] == "ok") == 200
+    assert sum(1 for line in srv.audit_lines() if line["result"] == "ok") == 50
 
 
 def test_tpm_errors_are_explained(tmp_path: Path) -> None:
