@@ -182,7 +182,7 @@ class Build:
             self.defn.name, self.lock.file_sha256, self.identity.source_date_epoch
         )
         self.run_id = f"{self.build_id}-{secrets.token_hex(3)}"
-        self.progress = ProgressLog(opts.progress, self.build_id)
+        self.progress = ProgressLog(opts.progress, self.build_id, self.run_id)
         self.phases = Phases(self.progress)
         self.watchdog = dataclasses.replace(self.defn.watchdog, **opts.idle_limits)
         self.network = opts.network or self.defn.network

@@ -2,7 +2,7 @@
 
 ``imagebuilder build --progress FILE`` writes, besides its human log on stderr::
 
-    {"build_id": "...", "event": "start", "phase": "fetch", "time": 1764620000.123}
+    {"build_id": "...", "event": "start", "phase": "fetch", "run_id": "...-3f2a1b", "time": 1764620000.123}
     {"build_id": "...", "duration_s": 1.2, "event": "end", "outcome": "ok", "phase": "fetch", "time": ...}
     {"build_id": "...", "event": "start", "phase": "install/boot", "time": ...}
     ...
@@ -16,6 +16,8 @@
   ``install/install``, ``install/late``, ``install/shutdown`` (the installer), ``provision/boot``,
   ``provision/stage``, ``provision/shutdown`` (the provisioning boot). ``install/boot`` and
   ``provision/boot`` start once the VM is defined and running;
+* ``build_id`` names the build (the same for every build of one lock: its folder's name); ``run_id`` names
+  this run of it (``<build_id>-<6 hex digits>``): its VMs are the libvirt domains ``imagebuilder-<run_id>``;
 * one ``result`` at the end: ``published`` (with ``folder``), ``failed`` (with ``exit_code``) or
   ``interrupted``.
 
@@ -40,9 +42,10 @@ log = logging.getLogger(__name__)
 class ProgressLog:
     """Appends progress events to ``path``; with ``path`` None it only keeps the build id."""
 
-    def __init__(self, path: Path | None, build_id: str) -> None:
+    def __init__(self, path: Path | None, build_id: str, run_id: str = "") -> None:
         self.path = path
         self.build_id = build_id
+        self.run_id = run_id or build_id
         self._fd: int | None = None
         self._broken = False
         if path is not None:
@@ -57,7 +60,12 @@ class ProgressLog:
     def emit(self, event: str, phase: str = "", **fields: Any) -> None:
         if self._fd is None or self._broken:
             return
-        record: dict[str, Any] = {"build_id": self.build_id, "event": event, "time": round(time.time(), 3)}
+        record: dict[str, Any] = {
+            "build_id": self.build_id,
+            "event": event,
+            "run_id": self.run_id,
+            "time": round(time.time(), 3),
+        }
         if phase:
             record["phase"] = phase
         record.update(fields)

@@ -173,7 +173,9 @@ def _stop_at(env: Env, full_build: Build, tmp_path: Path, work: Path, *, bases: 
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             assert time.monotonic() < deadline, f"the build never reported {phase}"
             time.sleep(0.5)
-        own = DOMAIN_PREFIX + _events(progress)[0]["build_id"]
+        own = (
+            DOMAIN_PREFIX + _events(progress)[0]["run_id"]
+        )  # the build id is the lock's: one per run is not
         assert own in domains(), f"no build VM {own} while the build reports {phase}: {domains()}"
         proc.send_signal(sig)
         _stdout, stderr = proc.communicate(timeout=180)

@@ -212,7 +212,7 @@ def test_progress_lines_name_every_phase_with_its_outcome(
     from imagebuilder.progress import ProgressLog
 
     log_path = tmp_path / "progress.jsonl"
-    progress = ProgressLog(log_path, "b-1")
+    progress = ProgressLog(log_path, "b-1", "b-1-abcdef")
     phases = Phases(progress)
     with phases.phase("fetch"):
         phases.vm_phase("provision")("boot")
@@ -225,7 +225,10 @@ def test_progress_lines_name_every_phase_with_its_outcome(
         ("start", "fetch", None), ("start", "provision/boot", None), ("end", "fetch", "ok"),
         ("start", "media", None), ("end", "media", "failed"), ("result", None, "failed"),
     ]  # fmt: skip
-    assert all(e["build_id"] == "b-1" and isinstance(e["time"], float) for e in events)
+    assert all(
+        e["build_id"] == "b-1" and e["run_id"] == "b-1-abcdef" and isinstance(e["time"], float)
+        for e in events
+    )
     with caplog.at_level(logging.INFO):
         unwritable = ProgressLog(None, "b-2")
         unwritable.emit("start", "check")  # no file: nothing happens
