@@ -66,7 +66,7 @@ def test_a_staged_artifact_change_reuses_the_installed_base(
             assert not files.exists("/var/lib/nodetrust-build")  # the base's compiled pip is not shipped
             assert files.read("/etc/machine-id") == b""
             info_json = json.loads(files.text("/etc/nodetrust/image.json"))
-            assert info_json["build_id"] == manifest["build_id"]
+            assert info_json["lock_sha256"] == manifest["lock"]["sha256"] and "build_id" not in info_json
         finally:
             files.close()
 
