@@ -13,6 +13,7 @@ build's outputs.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import shutil
 import subprocess
@@ -188,31 +189,53 @@ def domains() -> list[str]:
     return [name for name in out.stdout.split() if name.startswith("imagebuilder-")]
 
 
+#: The VM tier's installed bases, kept across runs like the download cache: the product's own base cache,
+#: keyed by everything that shapes the installed system (imagebuilder.base), three kept.
+BASES = cachedirs.shared("imagebuilder-bases")
+
+
+def _signing_key(folder: Path) -> tuple[Path, Path]:
+    """A fresh ECDSA P-256 build key in ``folder``: (private, public)."""
+    from imagebuilder.sign import generate_keypair
+
+    private, public = generate_keypair("ecdsa-p256")
+    (folder / "build.key").write_bytes(private)
+    (folder / "build.key").chmod(0o600)
+    (folder / "build.pub").write_bytes(public)
+    return folder / "build.key", folder / "build.pub"
+
+
 @pytest.fixture(scope="session")
 def full_build(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Build]:
-    """One lock and one build of the fixture definition, shared by the tests that read its outputs."""
+    """One lock and one build of the fixture definition, signed, shared by the tests that read its outputs.
+
+    Its installed base comes from the machine's base cache (:data:`BASES`) when an earlier run made the same one:
+    the installer runs on a cold machine, or when anything that shapes the base changed. The installer's path is
+    proven on every run all the same: vm-tests/test_reproducible.py rebuilds this build with a cold base cache of
+    its own and asserts the full path there, the installer error and the SIGTERM test run the installer too."""
     base = tmp_path_factory.mktemp("full-build")
     definition = variant(base, {})
     lock = base / "fixture-node.lock.json"
     locked = imagebuilder(env, "lock", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache))
     assert locked.returncode == 0, f"imagebuilder lock failed:\n{locked.stderr[-5000:]}"
     out, work = base / "out", work_dir(base)
-    # The session's own base cache, so that this is a full build (the installer runs) and the incremental
-    # builds of this session reuse exactly its base, whatever other sessions on the machine do.
-    bases = Path(tempfile.mkdtemp(prefix="vmtest-bases-", dir="/var/tmp"))
+    key, public = _signing_key(base)  # signed: vm-tests/test_reproducible.py makes a release of it
+    BASES.mkdir(parents=True, exist_ok=True)
     wait_for_other_vms()
     started = time.monotonic()
     built = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
-                         "--base-cache", str(bases), "--out", str(out), "--work-dir", str(work), "--full")  # fmt: skip
+                         "--base-cache", str(BASES), "--out", str(out), "--work-dir", str(work),
+                         "--key", str(key))  # fmt: skip
     seconds = time.monotonic() - started
     assert built.returncode == 0, f"imagebuilder build failed ({built.returncode}):\n{built.stderr[-8000:]}"
     folder = Path(built.stdout.strip().splitlines()[-1])
-    print(f"\nfull fixture build: {seconds:.0f} s -> {folder}")
+    path = json.loads((folder / "manifest.json").read_text())["build_path"]
+    print(f"\nfixture build ({path} path: the installed base {'made now' if path == 'full' else 'from ' + str(BASES)}):"
+          f" {seconds:.0f} s -> {folder}")  # fmt: skip
     try:
-        yield Build(definition, lock, out, work, folder, seconds, built.stderr, bases)
+        yield Build(definition, lock, out, work, folder, seconds, built.stderr, BASES, public)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(bases, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -230,26 +253,17 @@ def incremental_build(
     assert locked.returncode == 0, f"imagebuilder lock failed:\n{locked.stderr[-5000:]}"
     out, work = base / "out", work_dir(base)
     assert full_build.bases is not None
-    from imagebuilder.sign import generate_keypair
-
-    private, public = generate_keypair(
-        "ecdsa-p256"
-    )  # signed, as the demo's release verifies the build first
-    (base / "build.key").write_bytes(private)
-    (base / "build.key").chmod(0o600)
-    (base / "build.pub").write_bytes(public)
+    key, public = _signing_key(base)  # signed, as the demo's release verifies the build first
     wait_for_other_vms()
     started = time.monotonic()
     built = imagebuilder(env, "build", str(definition), "--lock", str(lock), "--cache-dir", str(env.cache),
                          "--base-cache", str(full_build.bases), "--out", str(out), "--work-dir", str(work),
-                         "--no-test", "--key", str(base / "build.key"))  # fmt: skip
+                         "--no-test", "--key", str(key))  # fmt: skip
     seconds = time.monotonic() - started
     assert built.returncode == 0, f"incremental build failed ({built.returncode}):\n{built.stderr[-8000:]}"
     folder = Path(built.stdout.strip().splitlines()[-1])
     print(f"\nincremental fixture build: {seconds:.0f} s (full: {full_build.seconds:.0f} s) -> {folder}")
     try:
-        yield Build(
-            definition, lock, out, work, folder, seconds, built.stderr, full_build.bases, base / "build.pub"
-        )
+        yield Build(definition, lock, out, work, folder, seconds, built.stderr, full_build.bases, public)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -49,6 +49,7 @@ def test_the_published_folder(full_build: Build) -> None:
     for name, digest in sums.items():
         assert hashlib.sha256((folder / name).read_bytes()).hexdigest() == digest, name
     assert set(sums) == set(names) - {"SHA256SUMS", "signature.dsse.json"}
+    assert "signature.dsse.json" in names  # signed with the session's build key
     manifest = _manifest(full_build)
     assert manifest["schema"] == "https://nodetrust.dev/image-manifest/v1"
     assert manifest["build_id"] == folder.name
@@ -63,25 +64,15 @@ def test_the_published_folder(full_build: Build) -> None:
     assert {"nodeagent", "autoinstall-user-data"} <= {i["name"] for i in manifest["inputs"]}
     assert manifest["kubernetes"] == {"installed": "1.36.3", "staged": ["1.34.2", "1.35.3", "1.37.2"]}
     phases = [p["name"] for p in manifest["phases"]]
-    for phase in (
-        "fetch",
-        "wheelhouse",
-        "media",
-        "install",
-        "provision",
-        "seal",
-        "image",
-        "install/boot",
-        "install/late",
-    ):
+    for phase in ("fetch", "wheelhouse", "media", "provision", "seal", "image", "boot-test"):
         assert phase in phases
+    # the installer ran only when the machine's base cache lacked this base; the full path's own assertions are
+    # vm-tests/test_reproducible.py's, on a rebuild with a cold base cache
+    assert ("install/late" in phases) == (manifest["build_path"] == "full") == manifest["installer"]["ran"]
     assert all(p["duration_s"] >= 0 for p in manifest["phases"])
     assert {"qemu-img", "libvirt", "python", "imagebuilder"} <= set(manifest["tools"])
     assert manifest["image"]["virtual_size"] == 6 * 2**30
     assert manifest["installed_size"] > 100 * 2**20
-    # the installer's events reached the builder's listener through the restricted user-mode network
-    assert manifest["installer"]["network"] == "listener"
-    assert manifest["installer"]["webhook_events"] > 10, manifest["installer"]
     # nothing temporary is left: no domain, no work directory, no partial folder
     assert not [d for d in domains() if full_build.folder.name in d]
     assert list(full_build.work.iterdir()) == []
