@@ -197,7 +197,8 @@ class Build:
             raise OutputError(
                 f"{self.opts.out / self.build_id} exists: a build of this lock is published there (a build id names "
                 "its lock: the same lock builds the same image)",
-                hint=f"`imagebuilder rebuild {self.opts.out / self.build_id}` rebuilds it and compares; or remove the "
+                hint=f"`imagebuilder rebuild {self.opts.out / self.build_id} --key <its signer's public key>` rebuilds it and "
+                "compares; or remove the "
                 "folder, or pass another --out",
             )
         log.info(

@@ -35,9 +35,10 @@ def _release(full_build: Build, tmp: Path) -> Path:
     imager.mkdir()
     (imager / "vmlinuz").write_bytes(b"MZ imager kernel stand-in")
     (imager / "initrd.img").write_bytes(b"070701 imager initramfs stand-in")
-    private, _public = generate_keypair("ecdsa-p256")
+    private, public = generate_keypair("ecdsa-p256")
     (tmp / "release.key").write_bytes(private)
     (tmp / "release.key").chmod(0o600)
+    (tmp / "release.pub").write_bytes(public)
     argv = [sys.executable, "-m", "imagebuilder.cli", "release", str(full_build.folder),
             "--build-key", str(full_build.key), "--key", str(tmp / "release.key"), "--out", str(tmp / "releases"),
             "--base-url", "http://127.0.0.1:9/releases/", "--imager", str(imager), "--pool", "cpu",
@@ -58,7 +59,8 @@ def test_a_release_rebuilt_with_a_cold_base_cache_is_the_same_image(
     try:
         wait_for_other_vms()
         started = time.monotonic()
-        done = imagebuilder(env, "rebuild", str(release), "--definition", str(full_build.definition),
+        done = imagebuilder(env, "rebuild", str(release), "--key", str(tmp / "release.pub"),
+                            "--definition", str(full_build.definition),
                             "--lock", str(full_build.lock), "--out", str(rebuilt_out), "--json",
                             "--cache-dir", str(env.cache), "--work-dir", str(work), timeout=4800)  # fmt: skip
         seconds = time.monotonic() - started

@@ -1,6 +1,9 @@
 """``imagebuilder rebuild FOLDER``: build a published image again from its definition and lock, and compare.
 
-FOLDER is a build folder (``manifest.json``) or a release folder (``release.json``). The definition and
+FOLDER is a build folder (``manifest.json``) or a release folder (``release.json``), verified first with the
+publisher's public key (``--key``: the build's signature and every file's digest, or the release's as the
+imager reads it): the digests compared are the ones the publisher signed, never ones read from a folder
+that anyone could have edited. The definition and
 the lock must be the ones the build used: by default the paths its manifest records, else
 ``--definition`` and ``--lock``; their digests are checked against the manifest (a release names the
 build id, which names the lock) before anything is built. The rebuild is a full build (the installer
@@ -47,7 +50,8 @@ def register(subparsers: Any) -> None:
         "rebuild",
         help="build a published image again from its definition and lock, and compare",
         description=(
-            "Rebuild a build folder or a release folder from the definition and lock it was built from (a full "
+            "Verify a build folder or a release folder with its publisher's key (--key), then rebuild it from the "
+            "definition and lock it was built from (a full "
             "build, its own base cache, no boot test unless --boot-test) and compare: the image's digest, the boot "
             "measurements, the SBOM, the manifest and provenance except the fields that record the run. On a "
             "different image it names what differs: the partition table, file-system metadata, which files with "
@@ -56,6 +60,9 @@ def register(subparsers: Any) -> None:
         ),
     )
     parser.add_argument("folder", type=Path, metavar="FOLDER", help="a build folder or a release folder")
+    parser.add_argument("--key", required=True, type=Path, metavar="PUB",
+                        help="the publisher's public key: the build's (imagebuilder build --key) for a build folder, "
+                             "the release's (imagebuilder release --key) for a release folder; checked first")  # fmt: skip
     parser.add_argument("--definition", type=Path, default=None,
                         help="the definition it was built from (default: the path its manifest records)")  # fmt: skip
     TABLE.add_arguments(parser, COMMAND_OPTIONS["rebuild"], typed=True)
@@ -130,6 +137,23 @@ def read_published(folder: Path) -> Published:
         f"{folder}: neither a build folder ({MANIFEST}) nor a release folder ({RELEASE_MANIFEST})",
         hint="pass the folder `imagebuilder build` or `imagebuilder release` published",
     )
+
+
+def verify_published(published: Published, key: Path) -> None:
+    """The folder's signature by ``key`` and every digest it lists, before any of them is trusted
+    (:class:`VerificationError` names the first that does not match)."""
+    from imagebuilder.sign import load_public_key
+
+    public = load_public_key(key)
+    if published.kind == "build":
+        from imagebuilder.verify import verify_build
+
+        verify_build(published.folder, public)
+    else:
+        from imagebuilder.release.folder import verify_release
+
+        verify_release(published.folder, public)
+    log.info("%s: verified with %s", published.folder, key)
 
 
 def _inputs(args: argparse.Namespace, published: Published) -> tuple[Path, Path]:
@@ -276,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verbose == 0:
         logging.getLogger("imagebuilder").setLevel(logging.INFO)
     published = read_published(args.folder)
+    verify_published(published, args.key)
     definition, lock = _inputs(args, published)
     if published.kind == "release":
         from imagebuilder.lock import load_lock

@@ -47,7 +47,7 @@ from imagebuilder.buildfolder import (
     sha256_file,
     write_atomic,
 )
-from imagebuilder.errors import BuildError, OutputError
+from imagebuilder.errors import BuildError, OutputError, VerificationError
 from imagebuilder.release import cloudinit
 from imagebuilder.release.cloudinit import ControlPlane, PoolConfig
 from imagebuilder.release.ipxe import BootScript, render_boot, render_entry
@@ -314,24 +314,42 @@ def _assemble(  # noqa: PLR0917 - one private step of write_release
 def _self_check(part: Path, public: PublicKey) -> None:
     """Read the folder back with the imager's readers: it must verify before it is published."""
     try:
-        key = load_public_key(public_pem(public))
-        verified = verify_envelope(parse_envelope((part / SIGNATURE).read_bytes()), [key])
-        view = read_manifest(read_statement(verified), (part / RELEASE_MANIFEST).read_bytes())
-    except ValueError as exc:
+        verify_release(part, public)
+    except VerificationError as exc:
         raise OutputError(f"the assembled release does not read back: {exc}") from None
+
+
+def verify_release(folder: Path, public: PublicKey) -> None:
+    """A release folder as the imager reads it: the DSSE signature by ``public``, ``release.json`` as the signed
+    statement names it, and every file it lists (images, chunk lists, cloud-init, the imager, boot measurements)
+    by its digest; :class:`VerificationError` names the first that does not match."""
+    try:
+        key = load_public_key(public_pem(public))
+        verified = verify_envelope(parse_envelope((folder / SIGNATURE).read_bytes()), [key])
+        view = read_manifest(read_statement(verified), (folder / RELEASE_MANIFEST).read_bytes())
+    except OSError as exc:
+        raise VerificationError(f"{folder}: cannot read the release: {exc}") from None
+    except ValueError as exc:
+        raise VerificationError(
+            f"{folder}: the release does not verify with key {key_id(public)}: {exc}",
+            hint="pass the public key the release was signed with (its signing-key file is not proof of it)",
+        ) from None
     extra = () if view.boot_measurements is None else (view.boot_measurements,)
     lists = tuple(image.chunks for image in view.images if image.chunks is not None)
     for artifact in (*view.images, *lists, *view.cloud_init.values(), *view.imager.values(), *extra):
-        if sha256_file(part / artifact.name) != artifact.sha256:
-            raise OutputError(f"{artifact.name}: changed while the release was assembled")
+        path = folder / artifact.name
+        if not path.is_file() or sha256_file(path) != artifact.sha256:
+            raise VerificationError(
+                f"{path}: missing, or not the file the signed release lists (sha256 mismatch)"
+            )
     for image in view.images:
         if image.chunks is None:
-            raise OutputError(f"{image.name}: the release lists no chunk digests for it")
+            raise VerificationError(f"{image.name}: the release lists no chunk digests for it")
         try:
-            chunklist.parse((part / image.chunks.name).read_bytes(), size=image.size,
+            chunklist.parse((folder / image.chunks.name).read_bytes(), size=image.size,
                             chunk_size=image.chunks.chunk_size, name=image.chunks.name)  # fmt: skip
         except ValueError as exc:
-            raise OutputError(f"the assembled release does not read back: {exc}") from None
+            raise VerificationError(f"{folder / image.chunks.name}: {exc}") from None
 
 
-__all__ = ["ReleaseSpec", "release_name", "write_release"]
+__all__ = ["ReleaseSpec", "release_name", "verify_release", "write_release"]

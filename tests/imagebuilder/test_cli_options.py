@@ -23,7 +23,8 @@ def test_shared_options_parse_alike_in_every_command(command: str, tmp_path: Pat
         "keep_work": ["--keep-work"],
     }
     names = COMMAND_OPTIONS[command]
-    argv = [command, str(tmp_path / "x.yaml"), *(arg for name in names for arg in given[name])]
+    required = {"rebuild": ["--key", str(tmp_path / "publisher.pub")]}.get(command, [])  # its own, not shared
+    argv = [command, str(tmp_path / "x.yaml"), *required, *(arg for name in names for arg in given[name])]
     args = build_parser().parse_args(argv)
     expected = {
         "lock": tmp_path / "x.lock.json",
@@ -34,7 +35,7 @@ def test_shared_options_parse_alike_in_every_command(command: str, tmp_path: Pat
         "keep_work": True,
     }
     assert {name: getattr(args, name) for name in names} == {name: expected[name] for name in names}
-    defaults = build_parser().parse_args([command, str(tmp_path / "x.yaml")])
+    defaults = build_parser().parse_args([command, str(tmp_path / "x.yaml"), *required])
     assert {name: getattr(defaults, name) for name in names} == {
         name: TABLE.by_name[name].default for name in names
     }

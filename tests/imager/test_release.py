@@ -403,3 +403,40 @@ def test_the_real_kubeadm_accepts_the_control_plane_documents_and_refuses_a_brok
     )
     with pytest.raises(BuildError, match="kubeadm config validate"):
         cloudinit.validate_kubeadm(broken, _kubeadm())
+
+
+def test_rebuild_verifies_the_folder_with_the_publishers_key_before_anything(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """`imagebuilder rebuild --key`: a build or release folder whose signature or files do not verify is refused
+    with exit 5 before any build starts (the digests it would compare are the publisher's, or nothing)."""
+    from imagebuilder.commands.rebuild import read_published, verify_published
+    from imagebuilder.errors import VerificationError
+
+    build = build_folder(raw=False, name="node-build")
+    made = _release(tmp_path, build, keys, server)
+    assert made.returncode == 0, made.stderr
+    release = Path(json.loads(made.stdout)["folder"])
+    verify_published(read_published(build), keys["release"].pub)
+    verify_published(read_published(release), keys["release"].pub)
+    for folder in (build, release):
+        with pytest.raises(VerificationError):
+            verify_published(read_published(folder), keys["other"].pub)
+    worker = release / "worker.user-data"
+    worker.write_text(worker.read_text() + "# edited after signing\n")
+    with pytest.raises(
+        VerificationError, match=r"worker.user-data: missing, or not the file the signed release"
+    ):
+        verify_published(read_published(release), keys["release"].pub)
+    # the command: refused before the definition, the lock or a VM is looked at
+    refused = subprocess.run(
+        [sys.executable, "-m", "imagebuilder.cli", "rebuild", str(release), "--key", str(keys["release"].pub),
+         "--definition", str(tmp_path / "absent.yaml"), "--lock", str(tmp_path / "absent.json")],
+        cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert refused.returncode == 5, refused.stderr
+    assert "worker.user-data" in refused.stderr and "absent.yaml" not in refused.stderr
+    missing_key = subprocess.run([sys.executable, "-m", "imagebuilder.cli", "rebuild", str(build)], cwd=REPO,
+                                 capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert missing_key.returncode == 2 and "--key" in missing_key.stderr
