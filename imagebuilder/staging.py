@@ -57,6 +57,7 @@ from imagebuilder.bootmeasure import BOOT_INFO
 from imagebuilder.definition import Definition
 from imagebuilder.errors import BuildError
 from imagebuilder.lock import LockedInput, plain_name
+from imagebuilder.outputs import sha256_file
 from imagebuilder.seal import BOLT_SCRIPT, PlanLines
 
 #: Where the installer puts the provisioning hook in the base; it removes itself when it is done.
@@ -290,14 +291,6 @@ def _unit_source(defn: Definition, source: str) -> Path:
 # -- what the staging plan puts where ---------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _tar_refusal(member: tarfile.TarInfo, parts: list[str], links: set[str]) -> str:
     """Why the staging plan must not extract ``member`` into the target (empty: it may)."""
     if member.name.startswith("/"):
@@ -395,6 +388,11 @@ def staged_files(defn: Definition, files: Sequence[StagedFile]) -> list[dict[str
     for unit in defn.agent.units:
         source = _unit_source(defn, unit.source)
         out.append(
-            {"group": "nodeagent units", "path": unit.destination, "sha256": _sha256(source), "mode": "0644"}
+            {
+                "group": "nodeagent units",
+                "path": unit.destination,
+                "sha256": sha256_file(source),
+                "mode": "0644",
+            }
         )
     return sorted(out, key=lambda e: str(e["path"]))

@@ -23,7 +23,6 @@ run (the build's own, docs/building-images.md).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from imagebuilder.buildfolder import MANIFEST, QCOW2_MEDIA_TYPE
 from imagebuilder.cache import default_cache_dir
 from imagebuilder.commands.options import COMMAND_OPTIONS, TABLE
 from imagebuilder.errors import LockError, OutputError
+from imagebuilder.outputs import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +87,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     if len(raw) > MAX_JSON or not isinstance(data, dict):
         raise OutputError(f"{path}: not a JSON object of at most {MAX_JSON >> 20} MiB")
     return data
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while chunk := fh.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 @dataclass
@@ -173,7 +165,7 @@ def _inputs(args: argparse.Namespace, published: Published) -> tuple[Path, Path]
             )
     if recorded:
         for what, path in (("definition", definition), ("lock", lock)):
-            if _sha256(path) != recorded[what]["sha256"]:
+            if sha256_file(path) != recorded[what]["sha256"]:
                 raise LockError(
                     f"{path} is not the {what} the published build used (its sha256 is not {recorded[what]['sha256']})",
                     hint=f"use the {what} of the build (the repository at the build's commit)",
@@ -196,7 +188,7 @@ def compare(published: Published, rebuilt_folder: Path, work: Path) -> dict[str,
 
     manifest = _read_json(rebuilt_folder / MANIFEST)
     image = rebuilt_folder / published.image
-    rebuilt_sha = _sha256(image)
+    rebuilt_sha = sha256_file(image)
     report: dict[str, Any] = {
         "folder": str(published.folder),
         "kind": published.kind,
