@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import subprocess
 import tarfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from imagebuilder import assemble
+from imagebuilder import assemble, reproducible, sealtree
 
 MIB = 2**20
 DISK = 200 * MIB
@@ -142,3 +144,24 @@ def esp_members(now: float) -> list[Member]:
         d("esp/EFI/debian", mode=0o700),
         Member("esp/EFI/debian/grub.cfg", data=b"search.fs_uuid new root\n", mtime=1_500_000_000),
     ]
+
+
+def qcow2_disk(
+    members: list[Member], ident: reproducible.Identity, where: Path, *, name: str = "image.qcow2",
+    root_label: str = "root",
+) -> Path:  # fmt: skip
+    """The archive of ``members`` assembled on :func:`layout` with ``ident`` and converted to ``where/name``:
+    a sealed disk as the builder makes one (the raw disk is removed)."""
+    tar = archive(members)
+    lay = layout()
+    trees = sealtree.read_archive(
+        io.BytesIO(tar), offset=0, length=len(tar), epoch=ident.source_date_epoch,
+        trees={"root": (where / "root", "root", lay.part(2).bytes), "esp": (where / "esp", "esp", lay.part(1).bytes)},
+    )  # fmt: skip
+    raw = assemble.assemble(where / f"{name}.raw", lay, ident, esp=trees["esp"], root=trees["root"], esp_label="UEFI",
+                            root_label=root_label, work=where / "work").disk  # fmt: skip
+    subprocess.run(
+        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(where / name)], check=True
+    )
+    raw.unlink()
+    return where / name

@@ -23,7 +23,9 @@ def test_shared_options_parse_alike_in_every_command(command: str, tmp_path: Pat
         "keep_work": ["--keep-work"],
     }
     names = COMMAND_OPTIONS[command]
-    required = {"rebuild": ["--key", str(tmp_path / "publisher.pub")]}.get(command, [])  # its own, not shared
+    required = {"rebuild": ["--key", str(tmp_path / "publisher.pub")]}.get(
+        command, []
+    )  # its own, not shared
     argv = [command, str(tmp_path / "x.yaml"), *required, *(arg for name in names for arg in given[name])]
     args = build_parser().parse_args(argv)
     expected = {

@@ -7,14 +7,12 @@ alignment) fails ``image/build-credentials`` naming the file; the secret itself 
 from __future__ import annotations
 
 import base64
-import io
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from imagebuilder import assemble, boottest, imagescan, reproducible, sealtree
+from imagebuilder import boottest, imagescan, reproducible
 from imagebuilder.autoinstall import webhook_url
 from tests.imagebuilder import sealkit
 from tests.imagebuilder.sealkit import Member, d
@@ -34,17 +32,7 @@ def _image(tmp: Path, extra: list[Member]) -> Path:
         *extra,
         *sealkit.esp_members(0.0),
     ]
-    tar = sealkit.archive(members)
-    lay = sealkit.layout()
-    trees = sealtree.read_archive(
-        io.BytesIO(tar), offset=0, length=len(tar), epoch=IDENT.source_date_epoch,
-        trees={"root": (tmp / "root", "root", lay.part(2).bytes), "esp": (tmp / "esp", "esp", lay.part(1).bytes)},
-    )  # fmt: skip
-    raw = assemble.assemble(tmp / "disk.raw", lay, IDENT, esp=trees["esp"], root=trees["root"], esp_label="UEFI",
-                            root_label="root", work=tmp / "work").disk  # fmt: skip
-    qcow2 = tmp / "image.qcow2"
-    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)], check=True)
-    return qcow2
+    return sealkit.qcow2_disk(members, IDENT, tmp)
 
 
 def test_a_clean_image_passes(tmp_path: Path) -> None:
@@ -91,16 +79,7 @@ def test_a_credential_in_base64_or_another_case_is_found(tmp_path: Path, shift: 
 def test_the_esp_is_searched_too(tmp_path: Path) -> None:
     members = [*sealkit.root_members(0.0), *sealkit.esp_members(0.0)[:-1],
                Member("esp/EFI/debian/grub.cfg", data=f"set x={TOKEN}\n".encode())]  # fmt: skip
-    tar = sealkit.archive(members)
-    lay = sealkit.layout()
-    trees = sealtree.read_archive(
-        io.BytesIO(tar), offset=0, length=len(tar), epoch=IDENT.source_date_epoch,
-        trees={"root": (tmp_path / "root", "root", lay.part(2).bytes), "esp": (tmp_path / "esp", "esp", lay.part(1).bytes)},
-    )  # fmt: skip
-    raw = assemble.assemble(tmp_path / "disk.raw", lay, IDENT, esp=trees["esp"], root=trees["root"], esp_label="UEFI",
-                            root_label="root", work=tmp_path / "work").disk  # fmt: skip
-    qcow2 = tmp_path / "image.qcow2"
-    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)], check=True)
+    qcow2 = sealkit.qcow2_disk(members, IDENT, tmp_path)
     assert imagescan.scan_image(qcow2, tmp_path / "scan", {"t": TOKEN.encode()}) == {
         "t": ["the EFI system partition"]
     }

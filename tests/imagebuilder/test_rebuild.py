@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import io
 import json
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from imagebuilder import assemble, imagediff, reprocheck, reproducible, sealtree
+from imagebuilder import imagediff, reprocheck, reproducible
 from imagebuilder.commands import rebuild
 from imagebuilder.errors import BuildError, LockError
 from tests.imagebuilder import sealkit
@@ -133,18 +131,7 @@ def test_tool_versions_that_differ_are_listed() -> None:
 
 def _qcow2(tmp: Path, root: list[Member], *, lock: str = "5e") -> Path:
     ident = reproducible.identity(lock * 32, "2026-11-01T00:00:00Z")
-    tar = sealkit.archive(root + sealkit.esp_members(0.0))
-    lay = sealkit.layout()
-    trees = sealtree.read_archive(
-        io.BytesIO(tar), offset=0, length=len(tar), epoch=ident.source_date_epoch,
-        trees={"root": (tmp / "root", "root", lay.part(2).bytes), "esp": (tmp / "esp", "esp", lay.part(1).bytes)},
-    )  # fmt: skip
-    raw = assemble.assemble(tmp / "disk.raw", lay, ident, esp=trees["esp"], root=trees["root"], esp_label="UEFI",
-                            root_label="root", work=tmp / "work").disk  # fmt: skip
-    subprocess.run(
-        ["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(tmp / "image.qcow2")], check=True
-    )
-    return tmp / "image.qcow2"
+    return sealkit.qcow2_disk(root + sealkit.esp_members(0.0), ident, tmp)
 
 
 @pytest.mark.subprocess

@@ -341,18 +341,9 @@ INSTALLER = reproducible.identity("1a" * 32, "2026-12-01T00:00:00Z")
 
 def _provisioned(tmp: Path, members: list[Member]) -> Path:
     """A "provisioned" QCOW2 as a build VM leaves it: the archive's trees on a disk with other identifiers."""
-    tar = sealkit.archive(members)
-    lay = sealkit.layout()
-    trees = sealtree.read_archive(
-        io.BytesIO(tar), offset=0, length=len(tar), epoch=INSTALLER.source_date_epoch,
-        trees={"root": (tmp / "r", "root", lay.part(2).bytes), "esp": (tmp / "e", "esp", lay.part(1).bytes)},
-    )  # fmt: skip
-    raw = assemble.assemble(tmp / "provisioned.raw", lay, INSTALLER, esp=trees["esp"], root=trees["root"],
-                            esp_label="UEFI", root_label="cloudimg-rootfs", work=tmp / "w").disk  # fmt: skip
-    qcow2 = tmp / "provisioned.qcow2"
-    subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)], check=True)
-    raw.unlink()
-    return qcow2
+    return sealkit.qcow2_disk(
+        members, INSTALLER, tmp, name="provisioned.qcow2", root_label="cloudimg-rootfs"
+    )
 
 
 def test_the_seal_reads_the_provisioned_disk_offline_and_gives_the_archives_disk(
