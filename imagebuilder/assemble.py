@@ -352,6 +352,11 @@ def _root(disk: Path, part: Partition, tree: Tree, ident: Identity, *, label: st
             f"debugfs could not set the root file system's metadata: {len(problems)} problem(s): "
             + "; ".join(problems[:5])
         )
+    # libext2fs adds each read-write session's write statistics to s_kbytes_written when it closes the file
+    # system; what mke2fs -d and the batch wrote is not the same to the kilobyte from run to run (dumpe2fs prints
+    # it rounded to MB, so only the superblock's checksum showed it): a fixed 0, set by a session that writes
+    # nothing before its own flush
+    run(["debugfs", "-w", "-R", "ssv kbytes_written 0", device], env=env, timeout=600)
     checked = run(["e2fsck", "-fn", device], env=env, check=False, timeout=3600)
     if checked.returncode != 0:
         last = (checked.text.strip().splitlines() or [""])[-1]
