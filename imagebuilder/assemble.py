@@ -333,12 +333,13 @@ def _root(disk: Path, part: Partition, tree: Tree, ident: Identity, *, label: st
     try:
         run([*argv, str(disk), f"{part.bytes // 1024}k"], env=env, timeout=3600)
     except CommandError as exc:
-        if "Could not allocate" in exc.output or "No space left" in exc.output:
-            raise AssemblyError(
-                f"the root tree does not fit the root partition of {part.bytes >> 20} MiB",
-                hint="raise disk_size in the definition (or stage less into the image)",
-            ) from exc
-        raise
+        # _root_capacity refused what cannot fit before mke2fs ran; a failure here is mke2fs's own, named as it is
+        last = (exc.output.strip().splitlines() or [""])[-1]
+        raise AssemblyError(
+            f"mke2fs could not build the root file system of {part.bytes >> 20} MiB: {last}",
+            hint="if it ran out of room, raise disk_size in the definition (or stage less into the image); "
+            "otherwise keep the work directory (--keep-work) and report it",
+        ) from exc
     device = f"{disk}?offset={part.offset}"
     xattrs = work / "xattrs"
     xattrs.mkdir()

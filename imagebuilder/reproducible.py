@@ -80,7 +80,7 @@ class Identity:
     root_partition_uuid: str  # the GPT entry of the root file system
     root_fs_uuid: str  # the ext4 UUID: /etc/fstab, GRUB's embedded search, root= on the kernel command line
     root_hash_seed: str  # the ext4 directory hash seed
-    esp_volume_id: str  # the FAT volume ID, XXXX-XXXX (its "UUID" in /etc/fstab)
+    esp_volume_id: str  # the FAT volume ID: two groups of four hex digits (its "UUID" in /etc/fstab)
 
     @property
     def esp_volume_hex(self) -> str:
