@@ -40,6 +40,7 @@ and digest (``base``) and which path the build took (``build_path``).
 
 from __future__ import annotations
 
+import calendar
 import contextlib
 import fcntl
 import json
@@ -127,6 +128,27 @@ class Base:
     def root(self) -> str:
         return str(self.record["root"])
 
+    @property
+    def installer_started(self) -> int | None:
+        """When its installer VM started (seconds, the host's clock): the earliest time any file it wrote
+        can carry (:class:`imagebuilder.reproducible.TimeClamp`); None when the record does not say."""
+        return installer_started(self.record)
+
+
+def installer_started(record: Mapping[str, Any]) -> int | None:
+    installer = record.get("installer")
+    phases = installer.get("phases") if isinstance(installer, Mapping) else None
+    if not isinstance(phases, list) or not phases:
+        return None
+    starts = []
+    for phase in phases:
+        started = phase.get("started_at") if isinstance(phase, Mapping) else None
+        try:
+            starts.append(calendar.timegm(time.strptime(str(started), "%Y-%m-%dT%H:%M:%SZ")))
+        except ValueError:
+            return None
+    return min(starts)
+
 
 class BaseCache:
     def __init__(self, root: Path) -> None:
@@ -158,7 +180,12 @@ class BaseCache:
             log.warning("the cached base %s is unreadable (%s); removing it", folder, exc)
             self.remove(key)
             return None
-        recorded = record.get("files") if isinstance(record, dict) else None
+        if not isinstance(record, dict) or installer_started(record) is None:
+            # without it the seal cannot tell the installer's time stamps from the packages' (TimeClamp)
+            log.warning("the cached base %s does not record when its installer started; removing it", folder)
+            self.remove(key)
+            return None
+        recorded = record.get("files")
         for name in BASE_FILES:  # fixed names: base.json never names a path
             expected = recorded.get(name) if isinstance(recorded, dict) else None
             if not isinstance(expected, dict):

@@ -558,12 +558,16 @@ class Build:
         token = getattr(self, "token", "")
         return {"this build's webhook token": token.encode()} if token else {}
 
-    def seal_image(self, work: Path) -> seal.Sealed:
-        """The image's raw disk from the provisioned overlay, read offline: the lock's identifiers and time; refused
-        when a file still names the installer's identifiers or holds a credential of the build."""
+    def seal_image(self, work: Path, installed: base.Base) -> seal.Sealed:
+        """The image's raw disk from the provisioned overlay, read offline: the lock's identifiers and time (every
+        time stamp since the base's installer started is SOURCE_DATE_EPOCH, whenever that was); refused when a
+        file still names the installer's identifiers or holds a credential of the build."""
         credentials = {**boottest.BUILDER_ADDRESSES, **self._credentials()}
-        source = seal.read_provisioned(self.paths["disk"], work / "seal", epoch=self.identity.source_date_epoch,
-                                       needles=credentials)  # fmt: skip
+        clamp = reproducible.TimeClamp.of(self.identity.source_date_epoch, installed.installer_started)
+        if clamp.since < clamp.epoch:
+            log.info("the installed base is older than the lock: every time stamp since its installer started "
+                     "(%s) becomes SOURCE_DATE_EPOCH", _iso_time(clamp.since))  # fmt: skip
+        source = seal.read_provisioned(self.paths["disk"], work / "seal", clamp=clamp, needles=credentials)
         sealed = seal.seal(
             source, work / "image.raw", self.identity, work=work / "seal", credentials=credentials
         )
@@ -739,7 +743,7 @@ class Build:
             with phase("provision"):
                 result = self.provision(work, installed, accel[0])
             with phase("seal"):
-                sealed = self.seal_image(work)
+                sealed = self.seal_image(work, installed)
             partial = stack.enter_context(
                 outputs.partial_folder(self.opts.out, self.build_id, run_id=self.run_id)
             )

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from imagebuilder.errors import CommandError
+from imagebuilder.reproducible import TimeClamp
 from imagebuilder.run import run
 from imagebuilder.sealtree import (
     _CONTROL,
@@ -218,20 +219,20 @@ def _scan_file(path: Path, scanner: _Scanner) -> None:
             scanner.feed(chunk)
 
 
-def read_ext4(image: Path, dest: Path, *, epoch: int, needles: Mapping[str, bytes], work: Path) -> Tree:
+def read_ext4(image: Path, dest: Path, *, clamp: TimeClamp, needles: Mapping[str, bytes], work: Path) -> Tree:
     """The tree of the ext4 file system in the file ``image`` (journal already replayed), its content in the new
     folder ``dest``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.mkdir(mode=0o700)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        return _read_ext4(image, dest, epoch=epoch, needles=needles, work=work)
+        return _read_ext4(image, dest, clamp=clamp, needles=needles, work=work)
     except BaseException:
         shutil.rmtree(dest, ignore_errors=True)
         raise
 
 
-def _read_ext4(image: Path, dest: Path, *, epoch: int, needles: Mapping[str, bytes], work: Path) -> Tree:
+def _read_ext4(image: Path, dest: Path, *, clamp: TimeClamp, needles: Mapping[str, bytes], work: Path) -> Tree:
     dumped = run(["debugfs", "-R", f"rdump / {_quote(str(dest))}", str(image)], timeout=TIMEOUT)
     problems = [
         ln
@@ -249,7 +250,7 @@ def _read_ext4(image: Path, dest: Path, *, epoch: int, needles: Mapping[str, byt
     def xattrs_of(ino: int) -> tuple[tuple[str, bytes], ...]:
         return tuple(sorted((name, values[(ino, name)]) for name in inodes[ino].xattrs))
 
-    tree.entries.append(Entry("/", "dir", root.mode & 0o7777, root.uid, root.gid, min(inodes[root.inode].mtime, epoch),
+    tree.entries.append(Entry("/", "dir", root.mode & 0o7777, root.uid, root.gid, clamp(inodes[root.inode].mtime),
                               xattrs=xattrs_of(root.inode)))  # fmt: skip
     first_path: dict[int, str] = {}
     for name in names:
@@ -288,7 +289,7 @@ def _read_ext4(image: Path, dest: Path, *, epoch: int, needles: Mapping[str, byt
             scanner.feed(value)
         for label in sorted(scanner.hits):
             tree.found.setdefault(label, []).append(name.path)
-        tree.entries.append(Entry(name.path, kind, name.mode & 0o7777, name.uid, name.gid, min(info.mtime, epoch),
+        tree.entries.append(Entry(name.path, kind, name.mode & 0o7777, name.uid, name.gid, clamp(info.mtime),
                                   size=name.size if kind == "file" else 0, target=target, major=info.major,
                                   minor=info.minor, xattrs=xattrs))  # fmt: skip
     _check_host_copy(dest, {e.path for e in tree.entries})
@@ -308,7 +309,7 @@ def _check_host_copy(dest: Path, listed: set[str]) -> None:
 MTOOLS_ENV = {"TZ": "UTC", "MTOOLS_SKIP_CHECK": "1", "MTOOLSRC": "/dev/null"}
 
 
-def read_fat(raw: Path, offset: int, dest: Path, *, epoch: int, needles: Mapping[str, bytes]) -> Tree:
+def read_fat(raw: Path, offset: int, dest: Path, *, clamp: TimeClamp, needles: Mapping[str, bytes]) -> Tree:
     """The tree of the FAT file system at ``offset`` of ``raw`` (mtools), its content in the new folder ``dest``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.mkdir(mode=0o700)
@@ -323,7 +324,7 @@ def read_fat(raw: Path, offset: int, dest: Path, *, epoch: int, needles: Mapping
             raise TreeError(
                 f"mtools could not copy the EFI system partition out: {exc.output[-300:]}"
             ) from exc
-        tree = Tree(root=dest, kind="esp", entries=[Entry("/", "dir", 0o755, 0, 0, epoch)])
+        tree = Tree(root=dest, kind="esp", entries=[Entry("/", "dir", 0o755, 0, 0, clamp.epoch)])
         for dirpath, dirnames, filenames in sorted(os.walk(dest)):
             for name in sorted(dirnames) + sorted(filenames):
                 host = Path(dirpath) / name
@@ -333,7 +334,7 @@ def read_fat(raw: Path, offset: int, dest: Path, *, epoch: int, needles: Mapping
                         f"EFI system partition member {path!r}: not a name the seal copies as it is"
                     )
                 st = host.lstat()
-                mtime = min(int(st.st_mtime), epoch)
+                mtime = clamp(int(st.st_mtime))
                 if stat.S_ISDIR(st.st_mode):
                     tree.entries.append(Entry(path, "dir", 0o755, 0, 0, mtime))
                 elif stat.S_ISREG(st.st_mode):

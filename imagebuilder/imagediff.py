@@ -38,7 +38,23 @@ log = logging.getLogger(__name__)
 
 ESP_TYPE = "C12A7328-F81F-11D2-BA4B-00A0C93EC93B"
 LINUX_TYPES = {"0FC63DAF-8483-4772-8E79-3D69D8477DE4", "4F68BCE3-E8CD-4DB1-96E7-FBCAF984B709"}
-MAX_FILES = 500
+#: Differing files listed per kind of change (all are counted): a thousand files that differ only in mtime must
+#: not hide the one file that is on one side only.
+MAX_FILES = 200
+#: The order a reader needs them in: what is there, what it holds, then its metadata.
+ORDER = (
+    "only in published",
+    "only in rebuilt",
+    "type",
+    "size",
+    "content",
+    "target",
+    "mode",
+    "owner",
+    "mtime",
+)
+#: blkid fields that name the probe, not the file system
+_PROBE_NOISE = frozenset({"DEVNAME"})
 MTOOLS_ENV = {"TZ": "UTC", "MTOOLS_SKIP_CHECK": "1", "MTOOLSRC": "/dev/null"}
 
 
@@ -59,21 +75,22 @@ class FileChange:
 class ImageDiff:
     partition_table: list[str] = field(default_factory=list)
     file_systems: list[str] = field(default_factory=list)
-    files: list[FileChange] = field(default_factory=list)
+    files: list[FileChange] = field(default_factory=list)  # up to MAX_FILES of each kind, in ORDER
+    counts: Counter[str] = field(default_factory=Counter)  # every differing file, by kind of change
     files_compared: int = 0
     notes: list[str] = field(default_factory=list)
 
     @property
     def summary(self) -> str:
-        kinds = Counter(f.change for f in self.files)
         parts = []
         if self.partition_table:
             parts.append(f"partition table: {len(self.partition_table)} difference(s)")
         if self.file_systems:
             parts.append(f"file-system metadata: {len(self.file_systems)} field(s)")
-        if self.files:
+        if self.counts:
             parts.append(
-                f"files: {len(self.files)} ({', '.join(f'{n} {k}' for k, n in kinds.most_common())})"
+                f"files: {sum(self.counts.values())} changes "
+                f"({', '.join(f'{self.counts[k]} {k}' for k in ORDER if self.counts[k])})"
             )
         elif self.files_compared:
             parts.append(f"files: none of {self.files_compared} differ (so: block placement, inode numbers, other "
@@ -88,6 +105,7 @@ class ImageDiff:
             "partition_table": self.partition_table,
             "file_systems": self.file_systems,
             "files": [f.to_json() for f in self.files],
+            "counts": {k: self.counts[k] for k in ORDER if self.counts[k]},
             "files_compared": self.files_compared,
             "notes": self.notes,
         }
@@ -98,8 +116,10 @@ class ImageDiff:
         lines += [f"  file system: {d}" for d in self.file_systems]
         for f in self.files[:limit]:
             lines.append(f"  {f.tree}:{f.path}: {f.change}" + (f" ({f.detail})" if f.detail else ""))
-        if len(self.files) > limit:
-            lines.append(f"  ... and {len(self.files) - limit} more files (--json lists {len(self.files)})")
+        if sum(self.counts.values()) > limit:
+            lines.append(
+                f"  ... and {sum(self.counts.values()) - limit} more (--json lists up to {MAX_FILES} of each kind)"
+            )
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -247,8 +267,6 @@ def _compare_tree(tree: str, a: Path, b: Path, owners: bool) -> tuple[list[FileC
                 changes.append(FileChange(tree, path, "size", f"{sa.st_size} -> {sb.st_size}"))
             elif _digest(pa) != _digest(pb):
                 changes.append(FileChange(tree, path, "content", _content_detail(pa, pb)))
-        if len(changes) >= MAX_FILES:
-            break
     return changes, len(set(la) | set(lb))
 
 
@@ -265,20 +283,27 @@ def diff_images(published: Path, rebuilt: Path, work: Path) -> ImageDiff:
                                 if sa.get(k) != sb.get(k)]  # fmt: skip
         ea, eb = _esp_probe(a), _esp_probe(b)
         result.file_systems += [f"ESP {k}: {ea.get(k)} -> {eb.get(k)}" for k in sorted(set(ea) | set(eb))
-                                if ea.get(k) != eb.get(k)]  # fmt: skip
+                                if ea.get(k) != eb.get(k) and k not in _PROBE_NOISE]  # fmt: skip
         _dump(a, work / "published")
         _dump(b, work / "rebuilt")
         owners = os.geteuid() == 0
         if not owners:
             result.notes.append("owners not compared: dumping them needs root")
+        changes: list[FileChange] = []
         for tree in ("root", "esp"):
             ta, tb = work / "published" / tree, work / "rebuilt" / tree
             if ta.is_dir() and tb.is_dir():
-                changes, compared = _compare_tree(tree, ta, tb, owners)
-                result.files += changes
+                found, compared = _compare_tree(tree, ta, tb, owners)
+                changes += found
                 result.files_compared += compared
-        if len(result.files) >= MAX_FILES:
-            result.notes.append(f"stopped after {MAX_FILES} differing files")
+        result.counts.update(f.change for f in changes)
+        for kind in ORDER:
+            result.files += [f for f in changes if f.change == kind][:MAX_FILES]
+        unlisted = {k: n - MAX_FILES for k, n in result.counts.items() if n > MAX_FILES}
+        if unlisted:
+            result.notes.append(
+                "not listed (counted): " + ", ".join(f"{n} more {k}" for k, n in unlisted.items())
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return result

@@ -54,6 +54,35 @@ def source_date_epoch(created_at: str) -> int:
     return seconds
 
 
+@dataclass(frozen=True)
+class TimeClamp:
+    """The image's time stamp for a file of the provisioned tree: ``epoch`` (``SOURCE_DATE_EPOCH``) for every
+    time at or after ``since``, the file's own time before it.
+
+    ``since`` is the earlier of ``epoch`` and the moment the installed base's installer VM started. A base
+    installed after the lock was made (every cold build) gives ``since == epoch``: the usual clamp. A base
+    cached by an earlier build may be older than the lock (its key does not hold the lock's time: a new lock
+    of the same OS packages reuses it); its installer wrote files with the times of that run, before
+    ``epoch``, which a clamp alone keeps and a cold rebuild of the same lock (installed after ``epoch``)
+    does not. Everything written since its installer started is a product of that run, so it gets
+    ``epoch`` too; what is older came from the installer ISO or a package and is the same in every run.
+    """
+
+    epoch: int
+    since: int
+
+    def __post_init__(self) -> None:
+        if self.since > self.epoch:
+            raise ValueError(f"since ({self.since}) is after the epoch ({self.epoch})")
+
+    @classmethod
+    def of(cls, epoch: int, installer_started: int | None = None) -> TimeClamp:
+        return cls(epoch, epoch if installer_started is None else min(epoch, installer_started))
+
+    def __call__(self, mtime: int) -> int:
+        return self.epoch if mtime >= self.since else mtime
+
+
 def iso_time(epoch: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 

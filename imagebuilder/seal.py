@@ -35,7 +35,7 @@ from typing import IO
 from imagebuilder.assemble import Assembled, Layout, assemble, layout_from_sfdisk
 from imagebuilder.disktree import read_ext4, read_fat
 from imagebuilder.errors import BuildError, CommandError
-from imagebuilder.reproducible import Identity
+from imagebuilder.reproducible import Identity, TimeClamp
 from imagebuilder.run import run
 from imagebuilder.sealtree import Tree, read_archive
 
@@ -115,9 +115,10 @@ def _copy_range(source: Path, dest: Path, offset: int, size: int) -> None:
 
 
 def read_provisioned(
-    disk: Path, work: Path, *, epoch: int, needles: Mapping[str, bytes] | None = None
+    disk: Path, work: Path, *, clamp: TimeClamp, needles: Mapping[str, bytes] | None = None
 ) -> Source:
-    """The provisioned disk ``disk`` (a QCOW2, its backing chain included), read offline into ``work``."""
+    """The provisioned disk ``disk`` (a QCOW2, its backing chain included), read offline into ``work``; every
+    time stamp through ``clamp``."""
     started = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
     raw = work / "provisioned.raw"
@@ -164,8 +165,8 @@ def read_provisioned(
             )
         copied = time.monotonic()
         trees = {
-            "root": read_ext4(image, work / "root", epoch=epoch, needles=all_needles, work=work / "debugfs"),
-            "esp": read_fat(raw, esp_part.offset, work / "esp", epoch=epoch, needles=all_needles),
+            "root": read_ext4(image, work / "root", clamp=clamp, needles=all_needles, work=work / "debugfs"),
+            "esp": read_fat(raw, esp_part.offset, work / "esp", clamp=clamp, needles=all_needles),
         }
     finally:
         raw.unlink(missing_ok=True)

@@ -101,7 +101,14 @@ def _inputs(tmp: Path) -> dict[str, Path]:
 
 
 def _store(cache: BaseCache, key: str, tmp: Path) -> Any:
-    return cache.store(key, **_inputs(tmp), record={"root": "UUID=1234", "material": {"k": key}})
+    return cache.store(
+        key, **_inputs(tmp), record={"root": "UUID=1234", "material": {"k": key}, "installer": INSTALLER}
+    )
+
+
+#: what build.store_base records of the installer run: its phases, the first one's start is the run's
+INSTALLER = {"phases": [{"name": "boot", "started_at": "2026-12-07T06:08:21Z", "duration_s": 75.7},
+                        {"name": "install", "started_at": "2026-12-07T06:09:36Z", "duration_s": 320.7}]}  # fmt: skip
 
 
 @pytest.mark.subprocess
@@ -116,6 +123,7 @@ def test_store_then_lookup(tmp_path: Path) -> None:
     assert found.sha256 == hashlib.sha256(found.disk.read_bytes()).hexdigest()
     assert found.kernel.read_bytes() == b"kernel" and found.initrd.read_bytes() == b"initrd"
     assert found.record["key"] == "k1" and found.record["material"] == {"k": "k1"}
+    assert found.installer_started == 1796623701  # 2026-12-07T06:08:21Z: the time clamp's since (seal)
     info = json.loads(run(["qemu-img", "info", "--output=json", str(found.disk)]).text)
     assert info["format"] == "qcow2"
     for name in ("base.qcow2", "vmlinuz", "initrd.img", "console.log"):
@@ -124,7 +132,7 @@ def test_store_then_lookup(tmp_path: Path) -> None:
 
 
 @pytest.mark.subprocess
-@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "record"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "record", "no-start", "bad-start"])
 def test_a_damaged_base_is_removed_and_never_used(tmp_path: Path, damage: str) -> None:
     cache = BaseCache(tmp_path / "bases")
     stored = _store(cache, "k1", tmp_path / "in")
@@ -137,8 +145,15 @@ def test_a_damaged_base_is_removed_and_never_used(tmp_path: Path, damage: str) -
         stored.kernel.write_bytes(bytes(data))
     elif damage == "delete":
         stored.initrd.unlink()
-    else:
+    elif damage == "record":
         (stored.folder / "base.json").write_text("{not json")
+    else:  # without its installer's start the seal cannot tell that run's time stamps from a package's
+        record = json.loads((stored.folder / "base.json").read_text())
+        if damage == "no-start":
+            del record["installer"]
+        else:
+            record["installer"]["phases"][1]["started_at"] = "yesterday"
+        (stored.folder / "base.json").write_text(json.dumps(record))
     assert cache.lookup("k1") is None
     assert not stored.folder.exists()
 

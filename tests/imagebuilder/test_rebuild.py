@@ -167,6 +167,30 @@ def test_the_image_diff_names_the_table_the_metadata_and_each_file(tmp_path: Pat
 
 
 @pytest.mark.subprocess
+def test_a_file_on_one_side_only_is_named_before_a_flood_of_mtimes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The VM tier's rebuild differed in the mtime of every file its installer wrote and in one inode: the
+    report listed 500 mtimes and stopped, and the one file never showed. Every file is compared and counted;
+    the list holds each kind up to a limit, what is there before its metadata."""
+    monkeypatch.setattr(imagediff, "MAX_FILES", 2)
+    files = [Member(f"root/etc/f{i}", data=b"same") for i in range(5)]
+    published = _qcow2(tmp_path / "a", [*sealkit.root_members(0.0), *files])
+    later = [Member(m.name, data=m.data, mtime=1_700_000_000) for m in files]
+    rebuilt = _qcow2(
+        tmp_path / "b", [*sealkit.root_members(0.0), *later, Member("root/etc/zz-extra", data=b"x")]
+    )
+    diff = imagediff.diff_images(published, rebuilt, tmp_path / "diff")
+    assert diff.files[0].to_json() == {"tree": "root", "path": "/etc/zz-extra", "change": "only in rebuilt",
+                                       "detail": ""}  # fmt: skip
+    assert [f.change for f in diff.files[1:]] == ["mtime", "mtime"]
+    assert diff.to_json()["counts"] == {"only in rebuilt": 1, "mtime": 5}
+    assert "files: 6 changes (1 only in rebuilt, 5 mtime)" in diff.summary
+    assert diff.notes == ["not listed (counted): 3 more mtime"]
+    assert not [f for f in diff.file_systems if "DEVNAME" in f]  # the probe's own path is no difference
+
+
+@pytest.mark.subprocess
 def test_the_same_files_in_another_layout_say_so(tmp_path: Path) -> None:
     published = _qcow2(tmp_path / "a", sealkit.root_members(0.0))
     rebuilt = _qcow2(tmp_path / "b", sealkit.root_members(0.0), lock="5f")

@@ -28,6 +28,7 @@ LOCK = "5e" * 32
 CREATED = "2026-11-01T00:00:00Z"
 EPOCH = reproducible.source_date_epoch(CREATED)
 IDENT = reproducible.identity(LOCK, CREATED)
+CLAMP = reproducible.TimeClamp.of(EPOCH)
 TOOLS = ("sfdisk", "mkfs.fat", "mmd", "mcopy", "mke2fs", "debugfs", "e2fsck", "dumpe2fs", "blkid")
 
 
@@ -360,7 +361,7 @@ def test_the_seal_reads_the_provisioned_disk_offline_and_gives_the_archives_disk
     the ext4 reader and the archive reader see the same trees."""
     members = [m for m in sealkit.root_members(time.time()) + sealkit.esp_members(time.time())]
     qcow2 = _provisioned(tmp_path / "vm", members)
-    source = seal.read_provisioned(qcow2, tmp_path / "seal", epoch=EPOCH)
+    source = seal.read_provisioned(qcow2, tmp_path / "seal", clamp=CLAMP)
     assert (source.root_label, source.esp_label) == ("cloudimg-rootfs", "UEFI")
     assert source.old_ids["the installer's root file system UUID"] == INSTALLER.root_fs_uuid.encode()
     assert (
@@ -373,13 +374,50 @@ def test_the_seal_reads_the_provisioned_disk_offline_and_gives_the_archives_disk
     assert not list((tmp_path / "seal").glob("*.raw")) and not (tmp_path / "seal" / "root.ext4").exists()
 
 
+DAY = 86400
+
+
+def test_an_installed_base_older_than_the_lock_seals_as_one_installed_after_it(tmp_path: Path) -> None:
+    """A base cached before the lock was made holds its installer's time stamps, before SOURCE_DATE_EPOCH; a
+    cold build of the same lock installs after it. Every time since the base's installer started becomes the
+    epoch, so both seal to the same bytes; a clamp alone keeps the old base's times (the defect the VM tier
+    found: every file the installer wrote differed in mtime). What is older than the installer run (a
+    package's files) keeps its own time in both."""
+    cached_run, cold_run = EPOCH - 2 * DAY, EPOCH + 3 * DAY
+    cached = _provisioned(tmp_path / "cached", sealkit.root_members(cached_run) + sealkit.esp_members(cached_run))
+    cold = _provisioned(tmp_path / "cold", sealkit.root_members(cold_run) + sealkit.esp_members(cold_run))
+
+    def sealed(disk: Path, clamp: reproducible.TimeClamp, name: str) -> str:
+        source = seal.read_provisioned(disk, tmp_path / f"seal-{name}", clamp=clamp)
+        mtimes = {e.path: e.mtime for t in source.trees.values() for e in t.entries if e.kind != "hardlink"}
+        assert mtimes["/usr/bin/ping"] == 1_600_000_000  # a package's file: older than any installer run
+        if clamp.since < clamp.epoch or name == "cold":
+            assert mtimes["/etc/fstab"] == mtimes["/EFI/BOOT/BOOTX64.EFI"] == EPOCH
+        return _sha256(seal.seal(source, tmp_path / f"{name}.raw", IDENT, work=tmp_path / f"seal-{name}").disk)
+
+    one = sealed(cached, reproducible.TimeClamp.of(EPOCH, installer_started=cached_run - 3600), "cached")
+    other = sealed(cold, reproducible.TimeClamp.of(EPOCH, installer_started=cold_run - 3600), "cold")
+    assert one == other
+    assert sealed(cached, CLAMP, "clamp-only") != one  # the installer's times of the cached run kept
+
+
+def test_a_time_clamp_keeps_what_is_older_than_the_installer_run() -> None:
+    plain = reproducible.TimeClamp.of(EPOCH)
+    assert (plain.since, plain(EPOCH - 1), plain(EPOCH), plain(EPOCH + 9)) == (EPOCH, EPOCH - 1, EPOCH, EPOCH)
+    assert reproducible.TimeClamp.of(EPOCH, installer_started=EPOCH + 60) == plain  # a cold build
+    older = reproducible.TimeClamp.of(EPOCH, installer_started=EPOCH - DAY)
+    assert (older(EPOCH - DAY - 1), older(EPOCH - DAY), older(EPOCH - 1)) == (EPOCH - DAY - 1, EPOCH, EPOCH)
+    with pytest.raises(ValueError, match="after the epoch"):
+        reproducible.TimeClamp(EPOCH, EPOCH + 1)
+
+
 def test_a_file_that_still_names_the_installers_uuid_fails_the_seal(tmp_path: Path) -> None:
     members = sealkit.root_members(0.0) + sealkit.esp_members(0.0)
     members.append(
         Member("root/etc/crypttab", data=f"x UUID={INSTALLER.root_fs_uuid.upper()} none\n".encode())
     )
     members.append(Member("esp/EFI/debian/boot.cfg", data=f"uuid {INSTALLER.esp_volume_id}\n".encode()))
-    source = seal.read_provisioned(_provisioned(tmp_path / "vm", members), tmp_path / "seal", epoch=EPOCH)
+    source = seal.read_provisioned(_provisioned(tmp_path / "vm", members), tmp_path / "seal", clamp=CLAMP)
     with pytest.raises(seal.SealError) as err:
         seal.seal(source, tmp_path / "image.raw", IDENT, work=tmp_path / "seal")
     assert "the installer's root file system UUID in the root tree: /etc/crypttab" in err.value.message
@@ -423,5 +461,5 @@ def test_a_provisioned_disk_without_ext4_and_fat_is_refused(tmp_path: Path) -> N
     qcow2 = tmp_path / "disk.qcow2"
     subprocess.run(["qemu-img", "convert", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)], check=True)
     with pytest.raises(seal.SealError, match="the seal reads an ext4 root and a FAT ESP"):
-        seal.read_provisioned(qcow2, tmp_path / "seal", epoch=EPOCH)
+        seal.read_provisioned(qcow2, tmp_path / "seal", clamp=CLAMP)
     assert not list((tmp_path / "seal").iterdir())
