@@ -219,7 +219,9 @@ def _scan_file(path: Path, scanner: _Scanner) -> None:
             scanner.feed(chunk)
 
 
-def read_ext4(image: Path, dest: Path, *, clamp: TimeClamp, needles: Mapping[str, bytes], work: Path) -> Tree:
+def read_ext4(
+    image: Path, dest: Path, *, clamp: TimeClamp, needles: Mapping[str, bytes], work: Path
+) -> Tree:
     """The tree of the ext4 file system in the file ``image`` (journal already replayed), its content in the new
     folder ``dest``."""
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -232,7 +234,9 @@ def read_ext4(image: Path, dest: Path, *, clamp: TimeClamp, needles: Mapping[str
         raise
 
 
-def _read_ext4(image: Path, dest: Path, *, clamp: TimeClamp, needles: Mapping[str, bytes], work: Path) -> Tree:
+def _read_ext4(
+    image: Path, dest: Path, *, clamp: TimeClamp, needles: Mapping[str, bytes], work: Path
+) -> Tree:
     dumped = run(["debugfs", "-R", f"rdump / {_quote(str(dest))}", str(image)], timeout=TIMEOUT)
     problems = [
         ln

@@ -57,6 +57,10 @@ FIRMWARE = {
 }
 FIRMWARE_PACKAGE = {"amd64": "ovmf", "arm64": "qemu-efi-aarch64"}
 QEMU_ARCH = {"amd64": "x86_64", "arm64": "aarch64"}
+#: The CPU an emulated (TCG) guest gets. qemu64 is the x86-64 baseline Ubuntu 24.04 is built for; TCG ran the
+#: fixture installer's boot to its prompt 15 to 20 % faster with it than with "maximum" (every feature TCG
+#: emulates: AVX2, SHA, ...), measured in pairs on the 2-core test machine. Under KVM the host's CPU is passed.
+TCG_CPU_MODEL = {"amd64": "qemu64"}
 MACHINE = {"amd64": "q35", "arm64": "virt"}
 CONSOLE = {"amd64": "ttyS0", "arm64": "ttyAMA0"}
 # The data port as the guest sees it: a second 16550 on x86, a virtio console on arm64 (one PL011 only).
@@ -156,6 +160,10 @@ def domain_xml(spec: DomainSpec) -> str:
         _sub(features, "gic", version="3")
     if spec.accel == "kvm":
         _sub(root, "cpu", mode="host-passthrough")
+    elif spec.arch in TCG_CPU_MODEL:
+        # emulated: the baseline model, not "maximum" (docs/building-images.md, Accelerators)
+        cpu = _sub(root, "cpu", mode="custom", match="exact", check="none")
+        _sub(cpu, "model", TCG_CPU_MODEL[spec.arch], fallback="forbid")
     else:
         _sub(root, "cpu", mode="maximum", check="none")
     _sub(root, "clock", offset="utc")

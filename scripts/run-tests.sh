@@ -12,6 +12,11 @@ export PATH="$PWD/.venv/bin:$PATH"
 what=${1:-all}
 mkdir -p .run
 VM_LOG=.run/vm-tier.log
+# One temporary root per tier: pytest's default (/tmp/pytest-of-$USER/pytest-N) keeps the three newest runs, so
+# a fourth pytest started beside a long tier (another tier, or anyone's) removed that tier's files mid-run.
+# Each tier's folder is emptied when the tier starts and left for inspection after it.
+BASETEMP=${NODETRUST_TEST_TMP:-/tmp/nodetrust-tests}
+mkdir -p "$BASETEMP"
 vm_pid=""
 
 cleanup() {
@@ -27,7 +32,7 @@ vm_tier() {
   # A background job of a script ignores SIGINT; SIG_DFL again, so that pytest turns it into a
   # KeyboardInterrupt and its fixtures tear their VMs down (cleanup above sends it).
   python -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
-    python -m pytest vm-tests tests -q -p no:cacheprovider -m vm --durations=0
+    python -m pytest vm-tests tests -q -p no:cacheprovider -m vm --durations=0 --basetemp "$BASETEMP/vm"
 }
 
 vm_verdict() {  # $1: pytest's exit status
@@ -58,13 +63,13 @@ if [ "$what" = all ]; then
 fi
 if [ "$what" = all ] || [ "$what" = fast ]; then
   echo "== tests (unit, swtpm, libvirt test driver, store)"
-  python -m pytest tests -q -m "not vm and not peers" --durations=20 || status=$?
+  python -m pytest tests -q -m "not vm and not peers" --durations=20 --basetemp "$BASETEMP/fast" || status=$?
 fi
 if [ "$what" = all ] || [ "$what" = peers ]; then
   echo "== peers (tier 6: a real control plane, kubeadm and kubelet from interop/)"
   interop/build.sh
   rc=0
-  python -m pytest tests -q -p no:cacheprovider -m peers --durations=0 || rc=$?
+  python -m pytest tests -q -p no:cacheprovider -m peers --durations=0 --basetemp "$BASETEMP/peers" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "peers: no peer tests were collected (exit 5): that is a failure, not a skip" >&2
   fi
@@ -82,7 +87,7 @@ fi
 if [ "$what" = vm ]; then
   echo "== vm-tests"
   rc=0
-  python -m pytest vm-tests tests -q -p no:cacheprovider -m vm --durations=0 || rc=$?
+  python -m pytest vm-tests tests -q -p no:cacheprovider -m vm --durations=0 --basetemp "$BASETEMP/vm" || rc=$?
   vm_verdict "$rc"
 fi
 exit "$status"

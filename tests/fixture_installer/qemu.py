@@ -29,6 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from imagebuilder.domain import TCG_CPU_MODEL
+
 OVMF_CODE = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
 OVMF_VARS = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
 GUEST_SERVICE = "10.0.2.100:8080"
@@ -120,7 +122,7 @@ class Vm:
             "-name", self.name,
             "-machine", "q35",
             "-accel", accel,
-            "-cpu", "max",
+            "-cpu", TCG_CPU_MODEL["amd64"] if accel == "tcg" else "host",
             "-m", str(self.memory_mib),
             "-smp", os.environ.get("NODETRUST_VM_SMP", "2"),
             "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF_CODE}",

@@ -78,6 +78,12 @@ def test_no_network_at_all(tmp_path: Path) -> None:
     assert root.find("devices/interface") is None
 
 
+def test_an_emulated_amd64_guest_gets_the_baseline_cpu(tmp_path: Path) -> None:
+    cpu = _parse(domain_xml(spec(tmp_path))).find("cpu")
+    assert cpu is not None and (cpu.get("mode"), cpu.get("match")) == ("custom", "exact")
+    assert cpu.findtext("model") == "qemu64"
+
+
 def test_kvm_and_bios(tmp_path: Path) -> None:
     root = _parse(domain_xml(spec(tmp_path, accel="kvm", firmware="bios")))
     assert root.get("type") == "kvm"

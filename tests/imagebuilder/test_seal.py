@@ -384,7 +384,9 @@ def test_an_installed_base_older_than_the_lock_seals_as_one_installed_after_it(t
     found: every file the installer wrote differed in mtime). What is older than the installer run (a
     package's files) keeps its own time in both."""
     cached_run, cold_run = EPOCH - 2 * DAY, EPOCH + 3 * DAY
-    cached = _provisioned(tmp_path / "cached", sealkit.root_members(cached_run) + sealkit.esp_members(cached_run))
+    cached = _provisioned(
+        tmp_path / "cached", sealkit.root_members(cached_run) + sealkit.esp_members(cached_run)
+    )
     cold = _provisioned(tmp_path / "cold", sealkit.root_members(cold_run) + sealkit.esp_members(cold_run))
 
     def sealed(disk: Path, clamp: reproducible.TimeClamp, name: str) -> str:
@@ -393,7 +395,9 @@ def test_an_installed_base_older_than_the_lock_seals_as_one_installed_after_it(t
         assert mtimes["/usr/bin/ping"] == 1_600_000_000  # a package's file: older than any installer run
         if clamp.since < clamp.epoch or name == "cold":
             assert mtimes["/etc/fstab"] == mtimes["/EFI/BOOT/BOOTX64.EFI"] == EPOCH
-        return _sha256(seal.seal(source, tmp_path / f"{name}.raw", IDENT, work=tmp_path / f"seal-{name}").disk)
+        return _sha256(
+            seal.seal(source, tmp_path / f"{name}.raw", IDENT, work=tmp_path / f"seal-{name}").disk
+        )
 
     one = sealed(cached, reproducible.TimeClamp.of(EPOCH, installer_started=cached_run - 3600), "cached")
     other = sealed(cold, reproducible.TimeClamp.of(EPOCH, installer_started=cold_run - 3600), "cold")
@@ -403,7 +407,12 @@ def test_an_installed_base_older_than_the_lock_seals_as_one_installed_after_it(t
 
 def test_a_time_clamp_keeps_what_is_older_than_the_installer_run() -> None:
     plain = reproducible.TimeClamp.of(EPOCH)
-    assert (plain.since, plain(EPOCH - 1), plain(EPOCH), plain(EPOCH + 9)) == (EPOCH, EPOCH - 1, EPOCH, EPOCH)
+    assert (plain.since, plain(EPOCH - 1), plain(EPOCH), plain(EPOCH + 9)) == (
+        EPOCH,
+        EPOCH - 1,
+        EPOCH,
+        EPOCH,
+    )
     assert reproducible.TimeClamp.of(EPOCH, installer_started=EPOCH + 60) == plain  # a cold build
     older = reproducible.TimeClamp.of(EPOCH, installer_started=EPOCH - DAY)
     assert (older(EPOCH - DAY - 1), older(EPOCH - DAY), older(EPOCH - 1)) == (EPOCH - DAY - 1, EPOCH, EPOCH)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from imagebuilder.domain import TCG_CPU_MODEL
 from tests.support.netns import NetNamespace
 from tests.support.peers import PeerError, log_tail, spawn, stop
 
@@ -121,7 +122,8 @@ class Boot:
 
     def argv(self) -> list[str]:
         s = self.server
-        argv = ["qemu-system-x86_64", "-machine", "q35", "-accel", s.accel, "-cpu", "max" if s.accel == "tcg" else "host",
+        cpu = TCG_CPU_MODEL["amd64"] if s.accel == "tcg" else "host"
+        argv = ["qemu-system-x86_64", "-machine", "q35", "-accel", s.accel, "-cpu", cpu,
                 "-smp", str(s.cpus), "-m", str(s.memory_mib), "-display", "none", "-no-reboot",
                 "-drive", f"if=pflash,format=raw,readonly=on,file={OVMF_CODE}",
                 "-drive", f"if=pflash,format=raw,file={s.nvram}",
