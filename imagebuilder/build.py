@@ -26,13 +26,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib.metadata
 import logging
 import os
-import platform
 import secrets
 import shutil
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +42,7 @@ from imagebuilder import (
     base,
     bootmeasure,
     boottest,
+    buildmanifest,
     closure,
     interrupt,
     media,
@@ -68,24 +66,12 @@ from imagebuilder.domain import (
 from imagebuilder.errors import BuildError, LockError, OutputError
 from imagebuilder.lock import Lock, LockedInput, check_lock, default_lock_path, load_lock, plain_name
 from imagebuilder.progress import ProgressLog
-from imagebuilder.run import run, tool_version
+from imagebuilder.reproducible import iso_time
+from imagebuilder.run import run
 from imagebuilder.vm import DOMAIN_PREFIX, Connection, owner_metadata, remove_orphans
 from imagebuilder.watch import EventListener, ProvisionWatcher, Watcher, WatchResult
 
 log = logging.getLogger(__name__)
-
-BUILDER_ID = "https://nodetrust.dev/imagebuilder@v1"
-
-
-def _iso_time(seconds: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
-
-
-def builder_version() -> str:
-    try:
-        return importlib.metadata.version("nodetrust")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.1.0"
 
 
 @dataclass
@@ -133,9 +119,7 @@ class Phases:
             raise
         finally:
             duration = round(time.monotonic() - started, 1)
-            self.records.append(
-                {"name": name, "started_at": _iso_time(started_wall), "duration_s": duration}
-            )
+            self.records.append({"name": name, "started_at": iso_time(started_wall), "duration_s": duration})
             log.info("== %s: %.1f s", name, duration)
             self.progress.emit("end", name, duration_s=duration, outcome=outcome)
 
@@ -481,14 +465,14 @@ class Build:
         record = {
             "material": self.base_material,
             "root": root,
-            "created_at": _iso_time(time.time()),
+            "created_at": iso_time(time.time()),
             "build_id": self.build_id,
             "installer": {
                 "events": result.events,
                 "webhook_events": getattr(self, "webhook_events", 0),
                 "network": self.network,
                 "phases": [
-                    {"name": p.name, "started_at": _iso_time(p.started_at), "duration_s": p.duration_s}
+                    {"name": p.name, "started_at": iso_time(p.started_at), "duration_s": p.duration_s}
                     for p in result.phases
                 ],
                 "installed_size": result.installed_size,
@@ -566,7 +550,7 @@ class Build:
         clamp = reproducible.TimeClamp.of(self.identity.source_date_epoch, installed.installer_started)
         if clamp.since < clamp.epoch:
             log.info("the installed base is older than the lock: every time stamp since its installer started "
-                     "(%s) becomes SOURCE_DATE_EPOCH", _iso_time(clamp.since))  # fmt: skip
+                     "(%s) becomes SOURCE_DATE_EPOCH", iso_time(clamp.since))  # fmt: skip
         source = seal.read_provisioned(self.paths["disk"], work / "seal", clamp=clamp, needles=credentials)
         sealed = seal.seal(
             source, work / "image.raw", self.identity, work=work / "seal", credentials=credentials
@@ -584,116 +568,6 @@ class Build:
             "installed": kube.installed,
             "staged": list(kube.staged),
             "staged_paths": {v: kube.staged_dir(v) for v in kube.staged},
-        }
-
-    def manifest(
-        self,
-        folder: Path,
-        result: WatchResult,
-        image: dict[str, Any],
-        accel: tuple[str, str],
-        *,
-        installed: base.Base,
-        installer: WatchResult | None,
-    ) -> dict[str, Any]:
-        defn = self.defn
-        inputs = [
-            {
-                "name": i.name,
-                "kind": i.kind,
-                "version": i.version,
-                "url": i.url,
-                "sha256": i.sha256,
-                "size": i.size,
-                "destination": i.destination,
-                "verified_by": i.verified_by,
-                "role": i.role,
-            }
-            for i in self.lock.inputs
-        ]
-        inputs.extend(self.extra_inputs)
-        image_path = folder / f"{defn.name}.qcow2"
-        outputs_list = [
-            outputs.file_entry(image_path, outputs.QCOW2_MEDIA_TYPE),
-            outputs.file_entry(folder / "console.log", "text/plain"),
-        ]
-        phases = list(self.phases.records)
-        if installer is not None:
-            phases += [
-                {
-                    "name": f"install/{p.name}",
-                    "started_at": _iso_time(p.started_at),
-                    "duration_s": p.duration_s,
-                }
-                for p in installer.phases
-            ]
-        phases += [
-            {
-                "name": f"provision/{p.name}",
-                "started_at": _iso_time(p.started_at),
-                "duration_s": p.duration_s,
-            }
-            for p in result.phases
-        ]
-        made_by = installed.record.get("installer", {})
-        tools = {
-            "imagebuilder": builder_version(),
-            "python": platform.python_version(),
-            "qemu-img": tool_version("qemu-img").removeprefix("qemu-img version "),
-            "xorriso": tool_version("xorriso", "-version"),
-            **getattr(self, "versions", {}),
-        }
-        return {
-            "schema": outputs.MANIFEST_SCHEMA,
-            "build_id": self.build_id,
-            "name": defn.name,
-            "distro": defn.distro,
-            "architecture": defn.architecture,
-            "started_at": _iso_time(self.started),
-            "finished_at": _iso_time(time.time()),
-            "builder": {"id": BUILDER_ID, "version": builder_version(), "host": socket.gethostname()},
-            "definition": {
-                "path": str(self.opts.definition),
-                "sha256": defn.file_sha256,
-                "resolved_sha256": defn.resolved_sha256,
-            },
-            "lock": {"path": str(self.lock.path), "sha256": self.lock.file_sha256},
-            "inputs": sorted(inputs, key=lambda i: (i["kind"], i["name"], i.get("version", ""))),
-            "outputs": outputs_list,
-            "packages": sorted(result.packages, key=lambda p: (p["name"], p["architecture"])),
-            "kubernetes": {"installed": defn.kubernetes.installed, "staged": list(defn.kubernetes.staged)}
-            if defn.kubernetes
-            else {},
-            "artifacts": {
-                a.name: {"version": a.version, "destination": a.destination} for a in defn.artifacts
-            },
-            "agent": {
-                "venv": defn.agent.venv,
-                "config_dir": defn.agent.config_dir,
-                "source": self.agent_source.to_json(),
-            },
-            "phases": phases,
-            "tools": tools,
-            "installed_size": result.installed_size,
-            "image": image,
-            "accelerator": {"name": accel[0], "why": accel[1]},
-            "installer": {
-                "ran": installer is not None,
-                "events": installer.events if installer is not None else made_by.get("events", 0),
-                "webhook_events": getattr(self, "webhook_events", 0)
-                if installer is not None
-                else made_by.get("webhook_events", 0),
-                "network": self.network if installer is not None else made_by.get("network", self.network),
-            },
-            "build_path": "full" if installer is not None else "incremental",
-            "base": {
-                "key": installed.key,
-                "sha256": installed.sha256,
-                "size": installed.record["files"]["base.qcow2"]["size"],
-                "created_at": installed.record.get("created_at", ""),
-                "created_by": installed.record.get("build_id", ""),
-                "installed_size": made_by.get("installed_size"),
-            },
         }
 
     # -- the whole build -------------------------------------------------------------------------
@@ -754,8 +628,9 @@ class Build:
                 )  # fmt: skip
                 self.paths["disk"].unlink()
             self._console(partial / "console.log", installed)
-            manifest = self.manifest(partial, result, image, accel, installed=installed, installer=installer)
-            self._reproducible(manifest, sealed)
+            manifest = buildmanifest.manifest(self, partial, result, image, accel, installed=installed,
+                                              installer=installer)  # fmt: skip
+            buildmanifest.add_reproducible(manifest, self, sealed)
             manifest["contents"] = boottest.image_contents(self.defn, files, requirement)
             if self.defn.architecture == "amd64":
                 # before the boot test (which compares the booted image's event log with it) and SHA256SUMS
@@ -809,19 +684,6 @@ class Build:
             with phase("base-store"):
                 installed = self.store_base(work, installer)
         return installed, installer, accel
-
-    def _reproducible(self, manifest: dict[str, Any], sealed: seal.Sealed) -> None:
-        """What makes the image reproducible, in its manifest; the installed size of the sealed file system."""
-        manifest["reproducible"] = {
-            "source_date_epoch": self.identity.source_date_epoch,
-            "identity": self.identity.to_json(),
-            "seal": {
-                "entries": sealed.entries,
-                "layout": sealed.layout.to_json(),
-            },
-        }
-        manifest["installed_size"] = sealed.assembled.root_used_bytes
-        manifest["tools"].update(sealed.assembled.tools)
 
     def _console(self, dest: Path, installed: base.Base) -> None:
         """The published console: the installer's (from the base, whichever build made it), then the

@@ -83,7 +83,7 @@ class TimeClamp:
         return self.epoch if mtime >= self.since else mtime
 
 
-def iso_time(epoch: int) -> str:
+def iso_time(epoch: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
 
 
