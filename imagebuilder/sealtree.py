@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO, Literal
 
 from imagebuilder.errors import BuildError
+from imagebuilder.reproducible import TimeClamp
 
 Kind = Literal["dir", "file", "symlink", "hardlink", "char", "block", "fifo"]
 TreeKind = Literal["root", "esp"]
@@ -203,7 +204,7 @@ def _xattrs(member: tarfile.TarInfo, path: str) -> tuple[tuple[str, bytes], ...]
 
 
 def _entry(member: tarfile.TarInfo, path: str, kind: Kind, epoch: int) -> Entry:
-    mtime = min(max(math.floor(float(member.mtime)), 0), epoch)
+    mtime = TimeClamp.of(epoch)(max(math.floor(float(member.mtime)), 0))  # an archive has no installer run
     return Entry(
         path=path,
         kind=kind,
