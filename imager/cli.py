@@ -87,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--format", choices=("qcow2", "raw"), help="which image of the release to write (nodeimager.format=)"
     )
+    run.add_argument(
+        "--digest",
+        choices=("auto", "sha256", "blake3"),
+        help="which signed digest verifies the image (nodeimager.digest=; default auto: BLAKE3 when the "
+        "release signs one, else SHA-256)",
+    )
     run.add_argument("--role", help="whose cloud-init to seed (nodeimager.role=)")
     run.add_argument("--events", metavar="URL", help="POST events here when the release names no URL")
     run.add_argument(
@@ -122,7 +128,7 @@ def _params(args: argparse.Namespace) -> Any:
         raise ImagerError(Reason.usage, f"{args.cmdline}: {exc.strerror}") from None
     params = from_cmdline(data)
     changes: dict[str, Any] = {}
-    for name in ("release", "key", "image", "format", "role", "events", "reboot", "firmware"):
+    for name in ("release", "key", "image", "format", "digest", "role", "events", "reboot", "firmware"):
         value = getattr(args, name, None)
         if value:
             changes[name] = value
@@ -185,12 +191,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ok": True, "kind": view.kind, "name": view.name, "build_id": view.build_id,
                           "signer": source.statement.key_id,
-                          "images": [{"name": i.name, "format": i.format, "sha256": i.sha256, "size": i.size}
-                                     for i in view.images]}, sort_keys=True))  # fmt: skip
+                          "images": [{"name": i.name, "format": i.format, "sha256": i.sha256, "size": i.size,
+                                      "blake3": i.blake3} for i in view.images]}, sort_keys=True))  # fmt: skip
     else:
         print(f"OK {view.kind} {view.name} (build {view.build_id}), signed by {source.statement.key_id}")
         for image in view.images:
-            print(f"image  {image.name} ({image.format}, {image.size} bytes) sha256:{image.sha256}")
+            fast = f" blake3:{image.blake3}" if image.blake3 else ""
+            print(f"image  {image.name} ({image.format}, {image.size} bytes) sha256:{image.sha256}{fast}")
     return 0
 
 

@@ -23,11 +23,11 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from imager import blockdev, efi, post, seed
+from imager import blockdev, digest, efi, post, seed
 from imager.errors import ImagerError, Reason
 from imager.events import Events
 from imager.gpt import read_gpt
@@ -188,19 +188,25 @@ class Imaging:
         efi.remove_entries_for(self.firmware, self._old_partitions(disk))
         blockdev.wipe(disk.devnode)
         url = source.url_of(image.name)
+        check = digest.choose(self.params.digest, image)
         if image.format == "raw":
-            chunks = self._chunks(source, image)
-            written = write_raw(self.fetcher, url, image, disk.devnode, console=self.console, chunks=chunks)
+            chunks = self._chunks(source, image) if check.algorithm == "sha256" else None
+            written = write_raw(
+                self.fetcher, url, image, disk.devnode, console=self.console, chunks=chunks, check=check
+            )
         else:
             self.scratch_dir.mkdir(parents=True, exist_ok=True)
             scratch = self.scratch_dir / f"{image.name}.{time.monotonic_ns()}"
             try:
-                fetch_scratch(self.fetcher, url, image, scratch, console=self.console)
-                written = write_qcow2(scratch, image, disk.devnode, console=self.console)
+                fetch_scratch(self.fetcher, url, image, scratch, console=self.console, check=check)
+                written = replace(
+                    write_qcow2(scratch, image, disk.devnode, console=self.console), digest=check.algorithm
+                )
             finally:
                 scratch.unlink(missing_ok=True)
         self.result.written = written
-        self.events.emit("written", disk=disk.identity(), sha256=written.sha256, bytes=written.disk_bytes,
+        self.events.emit("written", disk=disk.identity(), sha256=written.sha256, digest=written.digest,
+                         bytes=written.disk_bytes,
                          seconds=round(written.seconds, 3), readback_seconds=round(written.readback_seconds, 3))  # fmt: skip
         post.relocate_backup(disk.devnode)
         table, esp, root = post.check_table(disk.devnode)

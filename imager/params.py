@@ -7,6 +7,9 @@ kernel parameter                  meaning
 ``nodeimager.key=sha256:HEX``     pin the signing key by fingerprint (else: the keys baked into the imager)
 ``nodeimager.image=sha256:HEX``   the QCOW2 image the release must hold (the iPXE script always sets it)
 ``nodeimager.format=qcow2|raw``   which of the release's images to write (default: ``qcow2``)
+``nodeimager.digest=MODE``        which signed digest verifies the image: ``auto`` (default: BLAKE3 when
+                                  the release signs one, else SHA-256), ``blake3`` or ``sha256``
+                                  (:mod:`imager.digest`)
 ``nodeimager.role=ROLE``          whose cloud-init to seed: ``worker`` (default), ``control-plane-init``,
                                   ``control-plane-join``
 ``nodeimager.serial=`` ...        disk hints: ``serial``, ``wwn``, ``model``, ``vendor``, ``size``,
@@ -28,6 +31,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from imager.digest import CHOICES as DIGESTS
 from imager.errors import ImagerError, Reason
 from imager.hints import HINT_KEYS
 from protocol.cmdline import CmdlineError, params_with_prefix
@@ -37,7 +41,7 @@ PREFIX = "nodeimager."
 AGENT_PREFIX = "nodeagent."
 FORMATS = ("qcow2", "raw")
 REBOOT_MODES = ("reboot", "poweroff", "no")
-SCALAR_KEYS = ("release", "key", "image", "format", "role", "events", "reboot", "firmware")
+SCALAR_KEYS = ("release", "key", "image", "format", "digest", "role", "events", "reboot", "firmware")
 FIRMWARES = ("uefi", "bios")
 _PIN = re.compile(r"(sha256:)?[0-9a-fA-F]{64}")
 _AGENT_KEY = re.compile(r"[a-z][a-z0-9_]{0,63}")
@@ -49,6 +53,7 @@ class Params:
     key: str = ""
     image: str = ""
     format: str = "qcow2"
+    digest: str = "auto"
     role: str = "worker"
     events: str = ""
     reboot: str = "reboot"
@@ -72,6 +77,8 @@ def check(params: Params) -> Params:
             raise _usage(f"nodeimager.{name}={value[:80]!r} is not sha256:<64 hex digits>")
     if params.format not in FORMATS:
         raise _usage(f"nodeimager.format={params.format!r} is not one of {', '.join(FORMATS)}")
+    if params.digest not in DIGESTS:
+        raise _usage(f"nodeimager.digest={params.digest!r} is not one of {', '.join(DIGESTS)}")
     if params.role not in ROLES:
         raise _usage(f"nodeimager.role={params.role!r} is not one of {', '.join(ROLES)}")
     if params.firmware not in FIRMWARES:

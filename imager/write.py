@@ -8,7 +8,9 @@ tampered byte, a cut connection, a power loss).
 
 * **raw** (:func:`write_raw`): the image streams from the network straight to the disk. Each 8 MiB
   buffer is hashed as it arrives and handed to a writer thread (``O_DIRECT`` on aligned buffers),
-  so hashing and writing overlap; the digest is compared when the last byte is in. No tool ever
+  so hashing and writing overlap; the digest is compared when the last byte is in. The digest is
+  the one :mod:`imager.digest` chose: BLAKE3 (one stream, fast enough for the disk), or SHA-256 per
+  signed chunk on several hasher threads, or one SHA-256 stream. No tool ever
   reads the bytes. A raw image that starts with a QCOW2, VMDK, VHDX, QED, VDI or LUKS magic is
   refused at its first buffer.
 * **qcow2** (:func:`write_qcow2`): the image streams into a scratch file in memory (tmpfs), hashed
@@ -36,11 +38,13 @@ from pathlib import Path
 
 from imager import blockdev
 from imager.blockdev import ALIGN, Target, aligned_buffer, open_target, pwrite_all
+from imager.digest import Check
 from imager.errors import ImagerError, Reason
 from imager.http import Fetcher
 from imager.progress import Progress
 from imager.qcow2 import HEADER_READ, check_header, container_format
 from imager.run import run
+from protocol import imagedigest
 from protocol.release import Image, digests_equal
 
 log = logging.getLogger(__name__)
@@ -54,20 +58,26 @@ _QUEUE_POLL_S = 0.5
 
 @dataclass(frozen=True)
 class Written:
-    """What a write did: the image's digest (verified), how many bytes of disk it covers, how long."""
+    """What a write did: the image's SHA-256 (signed, and verified through ``digest``), how many bytes of
+    disk it covers, how long."""
 
     sha256: str
     disk_bytes: int
     seconds: float
     readback_seconds: float
+    digest: str = "sha256"  # the algorithm the bytes were verified with (imager.digest)
 
 
-def _digest_refusal(name: str, signed: str, actual: str) -> ImagerError:
+def _digest_refusal(name: str, check: Check, actual: str) -> ImagerError:
     return ImagerError(
         Reason.digest_mismatch,
-        f"{name}: sha256 mismatch (the signature says {signed}, the bytes received are {actual})",
+        f"{name}: {check.algorithm} mismatch (the signature says {check.expected}, the bytes received are {actual})",
         hint="the image on the server is not the signed one (tampered or half-published): republish the release",
     )
+
+
+def _sha256_check(image: Image) -> Check:
+    return Check("sha256", image.sha256)
 
 
 class _Pool:
@@ -121,9 +131,9 @@ class _Stage(threading.Thread, abc.ABC):
 
 
 class _Hasher(_Stage):
-    def __init__(self, pool: _Pool) -> None:
+    def __init__(self, pool: _Pool, check: Check) -> None:
         super().__init__("hasher", pool)
-        self.hash = hashlib.sha256()
+        self.hash = check.new()
 
     def handle(self, view: memoryview, offset: int) -> None:
         self.hash.update(view)  # hashlib releases the GIL for large buffers: this runs beside the writer
@@ -197,15 +207,26 @@ class DiskSink:
     then work on it at the same time (the writer skips the head, which is kept in memory)."""
 
     def __init__(
-        self, target: Target, name: str, progress: Progress | None = None, *, chunked: Chunked | None = None
+        self,
+        target: Target,
+        name: str,
+        progress: Progress | None = None,
+        *,
+        check: Check,
+        chunked: Chunked | None = None,
     ) -> None:
         self.target = target
         self.name = name
         self.progress = progress
-        self.chunked = chunked if chunked is not None and chunked.chunk_size % CHUNK == 0 else None
+        self.check = check
+        self.chunked = (
+            chunked
+            if check.algorithm == "sha256" and chunked is not None and chunked.chunk_size % CHUNK == 0
+            else None
+        )  # per-chunk SHA-256 on several threads; BLAKE3 is one stream, fast enough on one
         count = 1 if self.chunked is None else hashers_for()
         self.pool = _Pool(DEPTH + count - 1, CHUNK)
-        self.hasher = _Hasher(self.pool) if self.chunked is None else None  # one digest of the whole
+        self.hasher = _Hasher(self.pool, check) if self.chunked is None else None  # one digest of the whole
         self.hashers: list[_Stage] = (
             [self.hasher] if self.hasher is not None
             else [_ChunkHasher(self.pool, i, self.chunked) for i in range(count) if self.chunked is not None]
@@ -323,9 +344,9 @@ class DiskSink:
 class FileSink:
     """The QCOW2 stream's sink: a scratch file, hashed as it is written."""
 
-    def __init__(self, path: Path, progress: Progress | None = None) -> None:
+    def __init__(self, path: Path, progress: Progress | None = None, *, check: Check) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        self.hash = hashlib.sha256()
+        self.hash = check.new()
         self.progress = progress
         self.buf = bytearray(CHUNK)
 
@@ -346,15 +367,20 @@ class FileSink:
 
 
 def hash_disk(
-    path: Path, length: int, *, what: str, console: Callable[[str, int], Progress] | None = None
+    path: Path,
+    length: int,
+    *,
+    what: str,
+    console: Callable[[str, int], Progress] | None = None,
+    algorithm: str = "sha256",
 ) -> str:
-    """SHA-256 of the first ``length`` bytes of ``path``, read from the disk (not the page cache).
+    """The digest (``algorithm``) of the first ``length`` bytes of ``path``, read from the disk (not the page cache).
 
     A reader thread fills aligned buffers with ``O_DIRECT`` reads while this thread hashes the previous
     one, so reading and hashing overlap as writing and hashing do.
     """
     blockdev.flush(path)
-    digest = hashlib.sha256()
+    digest = imagedigest.new(algorithm)
     progress = console(what, length) if console else None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
@@ -485,12 +511,16 @@ def write_raw(
     *,
     console: Callable[[str, int], Progress] | None = None,
     chunks: tuple[bytes, ...] | None = None,
+    check: Check | None = None,
 ) -> Written:
     """Stream a raw image to ``target_path`` (already wiped); verify, commit the head, read back.
 
+    ``check``: the signed digest to verify with (:func:`imager.digest.choose`; default the SHA-256).
     ``chunks``: the image's signed per-chunk digests (``image.chunks``, parsed by
-    :func:`protocol.chunklist.parse` after its own digest was checked): each chunk is then checked on
-    its own core, and a tampered chunk stops the stream at once. Without them, one SHA-256 of the whole."""
+    :func:`protocol.chunklist.parse` after its own digest was checked), used when the check is SHA-256:
+    each chunk is then checked on its own core, and a tampered chunk stops the stream at once. Without
+    them, one SHA-256 of the whole."""
+    check = check or _sha256_check(image)
     started = time.monotonic()
     with open_target(target_path) as target:
         if image.size > target.size:
@@ -503,7 +533,7 @@ def write_raw(
         chunked = None
         if chunks is not None and image.chunks is not None:
             chunked = Chunked(chunks, image.chunks.chunk_size, image.size, image.sha256)
-        sink = DiskSink(target, image.name, progress, chunked=chunked)
+        sink = DiskSink(target, image.name, progress, check=check, chunked=chunked)
         try:
             fetcher.stream(url, name=image.name, size=image.size, sink=sink)
             actual = sink.finish()
@@ -512,8 +542,9 @@ def write_raw(
             raise
         if progress is not None:
             progress.finish()
-    if not digests_equal(actual, image.sha256):
-        raise _digest_refusal(image.name, image.sha256, actual)
+    expected = image.sha256 if sink.chunked is not None else check.expected
+    if not digests_equal(actual, expected):
+        raise _digest_refusal(image.name, check, actual)
     blockdev.write_at(target_path, sink.head, 0)
     wrote = time.monotonic() - started
     readback = time.monotonic()
@@ -521,14 +552,16 @@ def write_raw(
         check_disk_chunks(target_path, chunked, console=console)
         back = image.sha256
     else:
-        back = hash_disk(target_path, image.size, what="reading back", console=console)
-    if not digests_equal(back, image.sha256):
+        back = hash_disk(
+            target_path, image.size, what="reading back", console=console, algorithm=check.algorithm
+        )
+    if not digests_equal(back, expected):
         raise ImagerError(
             Reason.readback_mismatch,
-            f"{target_path}: the disk reads back as sha256 {back}, not the verified {image.sha256}",
+            f"{target_path}: the disk reads back as {check.algorithm} {back}, not the verified {expected}",
             hint="the disk does not keep what is written to it: replace it or choose another",
         )
-    return Written(actual, image.size, wrote, time.monotonic() - readback)
+    return Written(image.sha256, image.size, wrote, time.monotonic() - readback, check.algorithm)
 
 
 def _driver(is_block: bool) -> str:
@@ -549,8 +582,11 @@ def fetch_scratch(
     scratch: Path,
     *,
     console: Callable[[str, int], Progress] | None = None,
+    check: Check | None = None,
 ) -> Path:
-    """Download a QCOW2 into ``scratch`` (in memory), hashed as it comes; refuse it unless it matches."""
+    """Download a QCOW2 into ``scratch`` (in memory), hashed as it comes (``check``, default the SHA-256);
+    refuse it unless it matches."""
+    check = check or _sha256_check(image)
     try:
         stats = os.statvfs(scratch.parent)
     except OSError as exc:
@@ -564,7 +600,7 @@ def fetch_scratch(
             "nodeimager.format=raw (it streams to the disk)",
         )
     progress = console(f"downloading {image.name}", image.size) if console else None
-    sink = FileSink(scratch, progress)
+    sink = FileSink(scratch, progress, check=check)
     try:
         fetcher.stream(url, name=image.name, size=image.size, sink=sink)
     except BaseException:
@@ -574,9 +610,9 @@ def fetch_scratch(
     actual = sink.close()
     if progress is not None:
         progress.finish()
-    if not digests_equal(actual, image.sha256):
+    if not digests_equal(actual, check.expected):
         scratch.unlink(missing_ok=True)
-        raise _digest_refusal(image.name, image.sha256, actual)
+        raise _digest_refusal(image.name, check, actual)
     return scratch
 
 

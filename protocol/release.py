@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from protocol import chunklist
+from protocol import chunklist, imagedigest
 from protocol.dsse import Verified
 from protocol.errors import ReleaseFormatError
 
@@ -124,6 +124,7 @@ class Image(Artifact):
     format: str = "qcow2"  # "qcow2" or "raw"
     virtual_size: int | None = None  # the disk the image holds, in bytes (None: not recorded)
     chunks: ChunkList | None = None  # a release's per-chunk digests of this image (None: not published)
+    blake3: str | None = None  # a release's BLAKE3 of the image, signed with it (protocol.imagedigest)
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,10 @@ def _image(statement: Statement, obj: Mapping[str, Any], where: str, fmt: str, v
                 f"{where}.chunks: {listed.size} bytes do not list the chunks of a {base.size}-byte image",
             )
         chunks = ChunkList(listed.name, listed.sha256, listed.size, chunk_size)
-    return Image(base.name, base.sha256, base.size, fmt, virtual, chunks)
+    blake3 = obj.get("blake3")
+    if blake3 is not None and not imagedigest.is_hex(blake3):
+        raise ReleaseFormatError(statement.manifest, f"{where}.blake3 must be 64 lower-case hex digits")
+    return Image(base.name, base.sha256, base.size, fmt, virtual, chunks, blake3)
 
 
 def _build_view(statement: Statement, manifest: dict[str, Any]) -> ReleaseView:

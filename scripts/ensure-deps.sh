@@ -22,9 +22,10 @@ APT_PACKAGES=(
   postgresql
   # Authenticode oracles for the boot reference values (imagebuilder.pehash tests)
   osslsigncode pesign
-  # the imager's tests: sgdisk -v as a GPT oracle, the iPXE ROM; cloud-init's own schema validation runs from
+  # the imager's tests: sgdisk -v as a GPT oracle, the iPXE ROM, b3sum (the BLAKE3 team's own tool) as the oracle
+  # of the BLAKE3 digests a release signs; cloud-init's own schema validation runs from
   # Debian's cloud-init package unpacked by scripts/cloud-init-schema.sh, on these Python modules
-  gdisk ipxe-qemu python3-requests python3-jinja2 python3-jsonschema python3-yaml python3-configobj
+  gdisk ipxe-qemu b3sum python3-requests python3-jinja2 python3-jsonschema python3-yaml python3-configobj
   python3-jsonpatch python3-netifaces
   # the peer tier's node on this host (tests/support/kube_node.py): containerd, CNI plugins, iptables for the kubelet
   containerd containernetworking-plugins iptables
@@ -60,7 +61,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo ">> installing the project and its tools into .venv"
   .venv/bin/pip install --quiet --disable-pip-version-check --upgrade pip 2>/dev/null || true
   .venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither" || true
-  .venv/bin/python -c "import tpm2_pytss, grpc, grpclib, pyudev, pynvml, libvirt, psycopg" \
+  .venv/bin/python -c "import tpm2_pytss, grpc, grpclib, pyudev, pynvml, libvirt, psycopg, blake3" \
     || { echo "the .venv is incomplete; see the pip output above" >&2; exit 1; }
   touch "$stamp"
 fi

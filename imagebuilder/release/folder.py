@@ -61,7 +61,7 @@ from imagebuilder.sign import (
     sign_envelope,
 )
 from imagebuilder.sign import load_public_key as load_build_key
-from imagebuilder.verify import verify_build
+from imagebuilder.verify import VerifyResult, verify_build
 from protocol import chunklist
 from protocol.dsse import fingerprint, load_public_key, parse_envelope, verify_envelope
 from protocol.release import (
@@ -209,9 +209,7 @@ def write_release(spec: ReleaseSpec) -> Path:
     part = Path(tempfile.mkdtemp(prefix=f".{name}.partial-", dir=spec.out))
     try:
         with tempfile.TemporaryDirectory(prefix="imagebuilder-release-") as scratch:
-            _assemble(
-                spec, part, Path(scratch), name, version, architecture, verified.image, manifest, private
-            )
+            _assemble(spec, part, Path(scratch), name, version, architecture, verified, manifest, private)
         os.chmod(part, 0o755)  # noqa: S103 - a release folder is published for servers to read
         try:
             os.rename(part, dest)  # the folder appears complete, or not at all
@@ -224,28 +222,40 @@ def write_release(spec: ReleaseSpec) -> Path:
     return dest
 
 
+def _image_entry(part: Path, name: str, fmt: str, virtual_size: int | None) -> dict[str, Any]:
+    """An image's entry of ``release.json`` from one read of it: its SHA-256 and size, its BLAKE3
+    (protocol.imagedigest), and its per-chunk SHA-256 list, written beside it (protocol.chunklist)."""
+    digests = chunklist.digest_file(part / name)
+    listed = name + chunklist.SUFFIX
+    (part / listed).write_bytes(digests.chunk_list)
+    entry = {"name": name, "sha256": digests.sha256, "size": digests.size, "format": fmt,
+             "virtual_size": virtual_size, "blake3": digests.blake3,
+             "chunks": {**_artifact(part, listed), "chunk_size": chunklist.CHUNK_SIZE}}  # fmt: skip
+    return {k: v for k, v in entry.items() if v is not None}
+
+
 def _assemble(  # noqa: PLR0917 - one private step of write_release
-    spec: ReleaseSpec, part: Path, scratch: Path, name: str, version: str, architecture: str, image: str,
-    manifest: Mapping[str, Any], private: Any,
+    spec: ReleaseSpec, part: Path, scratch: Path, name: str, version: str, architecture: str,
+    verified: VerifyResult, manifest: Mapping[str, Any], private: Any,
 ) -> None:  # fmt: skip
     public: PublicKey = private.public_key()
+    image = verified.image
     _link_or_copy(spec.build_dir / image, part / image)
-    images = [{**_artifact(part, image), "format": "qcow2",
-               "virtual_size": int((manifest.get("image") or {}).get("virtual_size") or 0) or None}]  # fmt: skip
+    virtual = int((manifest.get("image") or {}).get("virtual_size") or 0) or None
+    images = [_image_entry(part, image, "qcow2", virtual)]
+    if images[0]["sha256"] != verified.image_sha256:  # the digests signed next are of the verified bytes
+        raise OutputError(
+            f"{spec.build_dir / image}: changed while the release was made (sha256 {images[0]['sha256']}, "
+            f"verified {verified.image_sha256})",
+            hint="publish a build folder that nothing writes to, then make the release again",
+        )
     if spec.raw:
         raw = Path(image).with_suffix(".raw").name
         run(
             ["qemu-img", "convert", "-f", "qcow2", "-O", "raw", str(part / image), str(part / raw)],
             timeout=7200,
         )
-        images.append({**_artifact(part, raw), "format": "raw", "virtual_size": (part / raw).stat().st_size})
-    images = [{k: v for k, v in i.items() if v is not None} for i in images]
-    for (
-        entry
-    ) in images:  # per-chunk digests, so that the imager can verify on several cores (protocol.chunklist)
-        listed = entry["name"] + chunklist.SUFFIX
-        (part / listed).write_bytes(chunklist.render(part / entry["name"]))
-        entry["chunks"] = {**_artifact(part, listed), "chunk_size": chunklist.CHUNK_SIZE}
+        images.append(_image_entry(part, raw, "raw", (part / raw).stat().st_size))
     for source, dest in ((spec.imager_kernel, KERNEL), (spec.imager_initrd, INITRD)):
         shutil.copyfile(source, part / dest)
     cloud = _cloud_init(spec, scratch, version, _time_client(manifest))
@@ -322,7 +332,8 @@ def _self_check(part: Path, public: PublicKey) -> None:
 def verify_release(folder: Path, public: PublicKey) -> None:
     """A release folder as the imager reads it: the DSSE signature by ``public``, ``release.json`` as the signed
     statement names it, and every file it lists (images, chunk lists, cloud-init, the imager, boot measurements)
-    by its digest; :class:`VerificationError` names the first that does not match."""
+    by its digest, each image's BLAKE3 and chunk digests too; :class:`VerificationError` names the first that
+    does not match."""
     try:
         key = load_public_key(public_pem(public))
         verified = verify_envelope(parse_envelope((folder / SIGNATURE).read_bytes()), [key])
@@ -343,13 +354,20 @@ def verify_release(folder: Path, public: PublicKey) -> None:
                 f"{path}: missing, or not the file the signed release lists (sha256 mismatch)"
             )
     for image in view.images:
-        if image.chunks is None:
-            raise VerificationError(f"{image.name}: the release lists no chunk digests for it")
+        if image.chunks is None or image.blake3 is None:
+            raise VerificationError(f"{image.name}: the release lists no chunk digests or no BLAKE3 for it")
         try:
-            chunklist.parse((folder / image.chunks.name).read_bytes(), size=image.size,
-                            chunk_size=image.chunks.chunk_size, name=image.chunks.name)  # fmt: skip
+            listed = chunklist.parse((folder / image.chunks.name).read_bytes(), size=image.size,
+                                     chunk_size=image.chunks.chunk_size, name=image.chunks.name)  # fmt: skip
         except ValueError as exc:
             raise VerificationError(f"{folder / image.chunks.name}: {exc}") from None
+        found = chunklist.digest_file(folder / image.name, image.chunks.chunk_size)
+        if found.blake3 != image.blake3 or found.chunk_list != b"".join(
+            d.hex().encode() + b"\n" for d in listed
+        ):
+            raise VerificationError(
+                f"{folder / image.name}: its BLAKE3 or its chunk digests are not the ones the signed release lists"
+            )
 
 
 __all__ = ["ReleaseSpec", "release_name", "verify_release", "write_release"]

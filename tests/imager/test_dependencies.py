@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-ALLOWED = {"imager", "protocol", "cryptography", "yaml"}
+ALLOWED = {"imager", "protocol", "cryptography", "yaml", "blake3"}
 
 
 def _imports(path: Path) -> set[str]:

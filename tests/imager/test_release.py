@@ -8,6 +8,7 @@ validate`` (the peers build; that test is in the peers tier), blkid and mtools r
 from __future__ import annotations
 
 import base64
+import dataclasses
 import email
 import hashlib
 import json
@@ -23,9 +24,11 @@ import yaml
 from imagebuilder.errors import BuildError
 from imagebuilder.release import cloudinit
 from imagebuilder.trust import write_trust_outputs
-from imager.errors import Reason
+from imager import digest
+from imager.errors import ImagerError, Reason
 from imager.gpt import read_gpt
 from imager.params import Params
+from protocol.release import Image
 from tests.imager.conftest import BUILD_ID, TARGET_SERIAL, Keys, Machine, has_partition_table, sh
 from tests.imager.server import Fault, ReleaseServer, tls_certificate
 from tests.support.measuredboot import fixture_boot
@@ -75,8 +78,14 @@ def test_a_release_folder_is_signed_validated_and_never_changed(
                             "signature.dsse.json", "node-debian-12.qcow2.sha256-chunks",
                             "node-debian-12.raw.sha256-chunks"])  # fmt: skip
     subprocess.run(["sha256sum", "--check", "--strict", "--quiet", "SHA256SUMS"], cwd=folder, check=True)
-    # each image's chunk list is what coreutils computes for its 64 MiB slices, and release.json names it
-    listed = {i["name"]: i["chunks"] for i in json.loads((folder / "release.json").read_text())["images"]}
+    # each image's chunk list is what coreutils computes for its 64 MiB slices, and release.json names it;
+    # its BLAKE3 is what b3sum (the BLAKE3 authors' own tool) prints for it
+    entries = json.loads((folder / "release.json").read_text())["images"]
+    listed = {i["name"]: i["chunks"] for i in entries}
+    b3sum = subprocess.run(
+        ["b3sum", "--no-names", *listed], cwd=folder, capture_output=True, text=True, check=True
+    )
+    assert [i["blake3"] for i in entries] == b3sum.stdout.split()
     for image, chunks in listed.items():
         assert chunks["name"] == f"{image}.sha256-chunks" and chunks["chunk_size"] == 64 << 20
         sliced = subprocess.run(["split", "-b", str(64 << 20), "--filter=sha256sum", image], cwd=folder,
@@ -368,7 +377,7 @@ def test_the_raw_image_is_checked_by_its_signed_chunk_list_which_is_itself_check
     cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
     machine: Callable[..., Machine], tmp_path: Path,
 ) -> None:  # fmt: skip
-    folder, release, params = _published(tmp_path, build_folder, keys, server, format="raw")
+    folder, release, params = _published(tmp_path, build_folder, keys, server, format="raw", digest="sha256")
     raw = next(i for i in release["images"] if i["format"] == "raw")
     listed = f"/{folder.name}/{raw['chunks']['name']}"
     # a chunk list that is not the signed one: refused before the image is fetched or the disk written
@@ -385,6 +394,43 @@ def test_the_raw_image_is_checked_by_its_signed_chunk_list_which_is_itself_check
     assert result.written is not None and result.written.sha256 == raw["sha256"]
     gets = [p for m_, p, _ in server.recorder.requests if m_ == "GET"]
     assert gets.index(listed) < len(gets) - 1 - gets[::-1].index(f"/{folder.name}/{raw['name']}")
+    assert result.written.digest == "sha256"
+
+
+@pytest.mark.parametrize("fmt", ["raw", "qcow2"])
+def test_by_default_the_image_is_verified_with_its_signed_blake3(
+    cloud_init_schema: None, build_folder: Callable[..., Path], server: ReleaseServer, keys: dict[str, Keys],
+    machine: Callable[..., Machine], tmp_path: Path, fmt: str,
+) -> None:  # fmt: skip
+    """``nodeimager.digest=auto``: the release signs a BLAKE3 beside the SHA-256, and the imager verifies with it
+    (no chunk list fetched); a flipped byte is refused by it, naming it, and nothing bootable is left."""
+    folder, release, params = _published(tmp_path, build_folder, keys, server, format=fmt)
+    image = next(i for i in release["images"] if i["format"] == fmt)
+    path = f"/{folder.name}/{image['name']}"
+    server.faults[path] = Fault(flip=(3 << 20) + 5)
+    m = machine()
+    error = m.refused(params, keys_dir=None)
+    assert error.reason == Reason.digest_mismatch and error.message.startswith(
+        f"{image['name']}: blake3 mismatch"
+    )
+    assert image["blake3"] in error.message and not has_partition_table(m.node("nvme0n1"))
+    del server.faults[path]
+    m = machine()
+    result = m.image(params, keys_dir=None)
+    assert result.written is not None and result.written.digest == "blake3"
+    assert result.written.sha256 == image["sha256"]
+    assert f"/{folder.name}/{image['chunks']['name']}" not in [p for _, p, _ in server.recorder.requests]
+    # a release that signs no BLAKE3 cannot be made to look as if it did: digest=blake3 is refused
+    unsigned = dataclasses.replace(_view_image(image), blake3=None)
+    with pytest.raises(ImagerError) as caught:
+        digest.choose("blake3", unsigned)
+    assert caught.value.reason == Reason.release_format and "signs no BLAKE3" in caught.value.message
+    assert digest.choose("auto", unsigned).algorithm == "sha256"
+
+
+def _view_image(entry: dict[str, Any]) -> Image:
+    return Image(entry["name"], entry["sha256"], entry["size"], entry["format"], entry.get("virtual_size"),
+                 None, entry.get("blake3"))  # fmt: skip
 
 
 @pytest.mark.peers

@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from imagebuilder.sign import generate_keypair, sign_envelope
+from imager import digest
 from imager.efi import parse_load_option
 from imager.errors import ImagerError, Reason
 from imager.hints import merge, mismatches, parse_hints
@@ -22,9 +23,11 @@ from imager.inventory import SysfsInventory
 from imager.params import Params, check, from_cmdline
 from imager.qcow2 import check_header, container_format
 from imager.select import choose, exclusions
+from protocol import imagedigest
 from protocol.cmdline import CmdlineError, kernel_params, render_cmdline, render_param
 from protocol.dsse import IN_TOTO_PAYLOAD_TYPE, load_public_key, parse_envelope, verify_envelope
 from protocol.errors import SignatureError
+from protocol.release import Image
 from tests.imager.conftest import MiB, sh
 from tests.imager.server import Fault, ReleaseServer, tls_certificate
 from tests.imager.sysfs import FakeDisk, FakePart, make_machine
@@ -77,13 +80,45 @@ def test_imager_parameters_from_a_kernel_command_line() -> None:
 @pytest.mark.parametrize(
     "line",
     [b"nodeimager.relase=http://x/", b"nodeimager.serial=a nodeimager.serial=b", b"nodeimager.release",
-     b"nodeimager.release=http://x/ nodeimager.key=sha256:12", b"nodeimager.release=http://x/ nodeimager.role=boss"],
-    ids=["typo", "twice", "no-value", "bad-pin", "bad-role"],
+     b"nodeimager.release=http://x/ nodeimager.key=sha256:12", b"nodeimager.release=http://x/ nodeimager.role=boss",
+     b"nodeimager.release=http://x/ nodeimager.digest=md5"],
+    ids=["typo", "twice", "no-value", "bad-pin", "bad-role", "bad-digest"],
 )  # fmt: skip
 def test_bad_parameters_are_usage_errors(line: bytes) -> None:
     with pytest.raises(ImagerError) as caught:
         check(from_cmdline(line))
     assert caught.value.reason == Reason.usage and caught.value.exit_code == 2
+
+
+def test_the_digest_choice_falls_back_to_sha256_only_where_that_was_asked_or_blake3_cannot_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    signed = Image("node.raw", "a" * 64, 1 << 30, "raw", 1 << 30, None, "b" * 64)
+    assert digest.choose("auto", signed) == digest.Check("blake3", "b" * 64)
+    assert digest.choose("blake3", signed) == digest.Check("blake3", "b" * 64)
+    assert digest.choose("sha256", signed) == digest.Check("sha256", "a" * 64)
+    # an imager without the module (an older boot environment): auto verifies the SHA-256, blake3 refuses
+    monkeypatch.setattr(imagedigest, "available", lambda algorithm: algorithm == "sha256")
+    assert digest.choose("auto", signed) == digest.Check("sha256", "a" * 64)
+    with pytest.raises(ImagerError) as caught:
+        digest.choose("blake3", signed)
+    assert caught.value.reason == Reason.tool_missing
+
+
+def test_the_blake3_hasher_is_the_reference_one() -> None:
+    """BLAKE3 of the empty input and of 1 MiB + 1 byte, against b3sum (the BLAKE3 authors' command)."""
+    data = os.urandom((1 << 20) + 1)
+    for sample in (b"", data):
+        hasher = imagedigest.new("blake3", threads=2)
+        hasher.update(sample)
+        printed = sh("b3sum", "--no-names", input_bytes=sample).stdout.split()[0].decode()
+        assert hasher.hexdigest() == printed
+    assert (
+        imagedigest.new("blake3").hexdigest()
+        == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    )
+    with pytest.raises(ValueError, match="unknown digest algorithm"):
+        imagedigest.new("md5")
 
 
 # -- DSSE: what the builder signs, the imager verifies -----------------------------------------------------
