@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from imagebuilder.definition import AptRepository
+from imagebuilder.definition import AptRepository, Target
 
 SUITE = "bookworm"
 KEYRING = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
 ARCHITECTURE = "amd64"
+
+#: The boot environment's Python and glibc, bookworm's: the wheels are resolved for them, and the lock
+#: refuses Debian packages that disagree (libc6 2.36, python3.11 3.11).
+TARGET = Target(python="3.11", glibc="2.36", release=SUITE)
 
 #: The Debian packages asked for; the lock adds their dependency closure.
 PACKAGES = (
@@ -28,7 +32,13 @@ PACKAGES = (
     "mtools",  # mcopy, mdir
     "efibootmgr",  # the UEFI boot entry
     "ca-certificates",  # HTTPS release servers
+    "libgcc-s1",  # libgcc_s.so.1, which the blake3 wheel's Rust extension links against
 )
+
+#: Wheels from PyPI, each pinned to one version (``name==version``) and installed without its dependencies:
+#: blake3 verifies images with BLAKE3 beside SHA-256, and Debian has no package of it. The lock pins each
+#: wheel file by the SHA-256 the index gives; the build checks its tags fit :data:`TARGET`.
+WHEELS = ("blake3==1.0.11",)
 
 #: Kernel module folders kept (under lib/modules/<version>/kernel/); the rest is dropped.
 MODULE_DIRS = (

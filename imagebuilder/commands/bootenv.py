@@ -1,9 +1,9 @@
 """``imagebuilder bootenv``: the imager's boot environment (kernel + initramfs) from pinned Debian packages.
 
-``imagebuilder bootenv lock --lock FILE`` resolves the recipe against Debian's signed archive and writes
-the lock; ``imagebuilder bootenv build --lock FILE --out DIR [--bake-key PUB]`` builds ``vmlinuz``,
-``initrd.img`` and ``bootenv.json`` from exactly the locked packages. ``DIR`` is what ``imagebuilder
-release --imager DIR`` takes. docs/bare-metal.md, "The boot environment".
+``imagebuilder bootenv lock --lock FILE`` resolves the recipe against Debian's signed archive (and its
+wheels against PyPI) and writes the lock; ``imagebuilder bootenv build --lock FILE --out DIR [--bake-key
+PUB]`` builds ``vmlinuz``, ``initrd.img`` and ``bootenv.json`` from exactly the locked packages and wheels.
+``DIR`` is what ``imagebuilder release --imager DIR`` takes. docs/bare-metal.md, "The boot environment".
 """
 
 from __future__ import annotations
@@ -47,9 +47,14 @@ def run(args: argparse.Namespace) -> int:
 
     cache = Cache(args.cache_dir or default_cache_dir())
     if args.bootenv_command == "lock":
-        pinned = lock.lock(cache, args.lock)
-        summary: dict[str, Any] = {"ok": True, "lock": str(args.lock), "packages": len(pinned),
-                                   "bytes": sum(p.size for p in pinned)}  # fmt: skip
+        locked = lock.lock(cache, args.lock)
+        summary: dict[str, Any] = {
+            "ok": True,
+            "lock": str(args.lock),
+            "packages": len(locked.packages),
+            "wheels": len(locked.wheels),
+            "bytes": sum(p.size for p in locked.packages) + sum(w.size for w in locked.wheels),
+        }
     else:
         manifest = build.build(args.lock, cache, args.out, keys=args.bake_key)
         summary = {
