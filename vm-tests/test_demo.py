@@ -115,6 +115,8 @@ def test_ipxe_imager_first_boot_attest_and_join_a_real_cluster(incremental_build
         assert events[0]["signer"] == manifest["boot"]["key"].removeprefix("sha256:")
         assert events[1]["disk"]["serial"] == TARGET and f"virtio-{TARGET}" in events[1]["disk"]["by_id"]
         assert events[2]["sha256"] == image["sha256"]
+        # verified in the boot environment with the release's signed BLAKE3
+        assert events[2]["digest"] == "blake3"
         # -- the disks: the image's partitions compared byte for byte before the first boot (qemu-img compare),
         # a sound GPT with the backup at the end, the pool's cloud-init in the seed, the other disk untouched
         assert (work / "compare.txt").read_text().startswith("exit 0\n"), (work / "compare.txt").read_text()
