@@ -79,6 +79,7 @@ class Result:
             "seconds": {"write": self.written.seconds, "readback": self.written.readback_seconds}
             if self.written
             else None,
+            "digest": self.written.digest if self.written else None,
         }
 
 

@@ -418,6 +418,7 @@ def test_by_default_the_image_is_verified_with_its_signed_blake3(
     m = machine()
     result = m.image(params, keys_dir=None)
     assert result.written is not None and result.written.digest == "blake3"
+    assert result.as_json()["digest"] == "blake3"  # what `nodeimager run --json` prints
     assert result.written.sha256 == image["sha256"]
     assert f"/{folder.name}/{image['chunks']['name']}" not in [p for _, p, _ in server.recorder.requests]
     # a release that signs no BLAKE3 cannot be made to look as if it did: digest=blake3 is refused
