@@ -6,6 +6,9 @@
 # tiers mostly wait on sockets, TPMs and servers, and neither of those starts a VM or touches the system
 # libvirtd (the VM tier waits for any other QEMU: one VM at a time). Its output is kept in
 # .run/vm-tier.log and printed once it is done; the exit status is the first failing tier's.
+# The VM tier is the longest, so it starts first: before the peers are built (its first step, the fixture
+# installer ISO, needs none; it then waits for the peer build, interop/build.sh's per-module locks) and
+# before the lint (a cold mypy takes minutes; a lint failure still ends the run, and its VMs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
@@ -42,12 +45,12 @@ vm_verdict() {  # $1: pytest's exit status
   [ "$1" -eq 0 ] || status=$1
 }
 
-if [ "$what" = all ] || [ "$what" = fast ]; then
+lint() {
   echo "== lint"
   ruff check .
   ruff format --check .
   mypy protocol agent server imagebuilder imager tests bench scripts vm-tests fixtures
-fi
+}
 
 status=0
 if [ "$what" = all ] || [ "$what" = vm ]; then
@@ -55,11 +58,15 @@ if [ "$what" = all ] || [ "$what" = vm ]; then
   scripts/services.sh start
 fi
 if [ "$what" = all ]; then
-  interop/build.sh  # the VM tier's fixture build takes the real Kubernetes payloads from the peers
-  echo "== vm-tests: started beside the fast and peer tiers (output: $VM_LOG, printed when it ends)"
+  echo "== vm-tests: started beside the peer build, the lint, the fast and peer tiers (output: $VM_LOG, printed when it ends)"
   started=$(date +%s)
   vm_tier >"$VM_LOG" 2>&1 &
   vm_pid=$!
+  # the VM tier's fixture build takes the real Kubernetes payloads from the peers: it waits for this build
+  interop/build.sh
+fi
+if [ "$what" = all ] || [ "$what" = fast ]; then
+  lint
 fi
 if [ "$what" = all ] || [ "$what" = fast ]; then
   echo "== tests (unit, swtpm, libvirt test driver, store)"

@@ -107,6 +107,18 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     except BuildError as exc:
         pytest.fail(f"building the fixture installer ISO failed: {exc}")
     iso = built.iso
+    # `make test` builds the peers beside this tier (scripts/run-tests.sh): wait for that build through its
+    # per-module locks (a no-op when they are built; builds them when nothing else is)
+    try:
+        peers = subprocess.run(
+            [str(REPO / "interop" / "build.sh")], capture_output=True, text=True, check=False, timeout=3600
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("building the test peers (interop/build.sh) took more than an hour")
+    if peers.returncode != 0:
+        pytest.fail(
+            f"building the test peers (interop/build.sh) failed:\n{peers.stdout[-4000:]}{peers.stderr[-4000:]}"
+        )
     try:
         # the real kubeadm, kubelet and kubectl (make peers), the NVIDIA stand-ins for the installer's kernel
         root = cached_payloads(real_kubernetes=True, kernel=str(built.manifest.get("kernel") or ""))
