@@ -38,11 +38,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from imagebuilder.release.digests import digest_file
 from imager import blockdev
-from imager.digest import Check
+from imager.digest import Check, new
 from imager.http import Fetcher
 from imager.write import fetch_scratch, hashers_for, write_qcow2, write_raw
-from protocol import chunklist, imagedigest
+from protocol import chunklist
 from protocol.release import ChunkList, Image
 
 MiB = 1 << 20
@@ -86,7 +87,7 @@ def _image(path: Path, size: int) -> str:
 def _hash_seconds(size: int, algorithm: str) -> float:
     """One stream of ``algorithm`` over ``size`` bytes already in memory: the verified write's own ceiling."""
     block = os.urandom(64 * MiB)
-    digest = imagedigest.new(algorithm)
+    digest = new(algorithm)
     start = time.perf_counter()
     for _ in range(size // len(block)):
         digest.update(block)
@@ -119,7 +120,7 @@ def main() -> None:
             os.posix_fallocate(fh.fileno(), 0, size + 64 * MiB)
         floor: list[float] = []
         fast, writes, single = [], [], []
-        signed = chunklist.digest_file(raw)  # what `imagebuilder release` signs for the image
+        signed = digest_file(raw)  # what `imagebuilder release` signs for the image
         assert signed.sha256 == digest
         listed = signed.chunk_list
         chunks = ChunkList("node.raw" + chunklist.SUFFIX, hashlib.sha256(listed).hexdigest(), len(listed),
@@ -145,7 +146,7 @@ def main() -> None:
                 qcow2 = srv_dir / "node.qcow2"
                 subprocess.run(["qemu-img", "convert", "-q", "-f", "raw", "-O", "qcow2", str(raw), str(qcow2)],
                                check=True, timeout=3600)  # fmt: skip
-                q_signed = chunklist.digest_file(qcow2)
+                q_signed = digest_file(qcow2)
                 q_image = Image("node.qcow2", q_signed.sha256, q_signed.size, "qcow2", size, None,
                                 q_signed.blake3)  # fmt: skip
                 shm = Path("/dev/shm")  # noqa: S108 - memory-backed, as the imager's /run

@@ -38,13 +38,12 @@ from pathlib import Path
 
 from imager import blockdev
 from imager.blockdev import ALIGN, Target, aligned_buffer, open_target, pwrite_all
-from imager.digest import Check
+from imager.digest import Check, new
 from imager.errors import ImagerError, Reason
 from imager.http import Fetcher
 from imager.progress import Progress
 from imager.qcow2 import HEADER_READ, check_header, container_format
 from imager.run import run
-from protocol import imagedigest
 from protocol.release import Image, digests_equal
 
 log = logging.getLogger(__name__)
@@ -380,7 +379,7 @@ def hash_disk(
     one, so reading and hashing overlap as writing and hashing do.
     """
     blockdev.flush(path)
-    digest = imagedigest.new(algorithm)
+    digest = new(algorithm)
     progress = console(what, length) if console else None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)

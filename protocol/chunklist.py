@@ -15,19 +15,15 @@ consumer.
 
 Public API: :data:`CHUNK_SIZE` (the builder's choice, 64 MiB), :data:`LINE` (bytes per chunk in a
 list), :func:`check_chunk_size`, :func:`chunk_count`, :func:`render` (``path -> bytes``), :func:`parse`
-(the list's bytes, checked against the image), :func:`digest_file` (a release's digests of one image in
-one read: the whole SHA-256 and BLAKE3, and the chunk list).
+(the list's bytes, checked against the image).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 
-from protocol import imagedigest
 from protocol.errors import ReleaseFormatError
 
 __all__ = [
@@ -36,10 +32,8 @@ __all__ = [
     "MAX_CHUNK_SIZE",
     "MIN_CHUNK_SIZE",
     "SUFFIX",
-    "FileDigests",
     "check_chunk_size",
     "chunk_count",
-    "digest_file",
     "parse",
     "render",
 ]
@@ -71,31 +65,11 @@ def chunk_count(size: int, chunk_size: int) -> int:
 
 def render(path: Path, chunk_size: int = CHUNK_SIZE) -> bytes:
     """The chunk list of the file at ``path``."""
-    return digest_file(path, chunk_size).chunk_list
-
-
-@dataclass(frozen=True)
-class FileDigests:
-    """What a release signs of one image, from one read of it."""
-
-    sha256: str
-    blake3: str
-    size: int
-    chunk_list: bytes
-
-
-def digest_file(path: Path, chunk_size: int = CHUNK_SIZE) -> FileDigests:
-    """The whole SHA-256 and BLAKE3 of the file at ``path`` and its chunk list, reading it once."""
-    whole, fast = imagedigest.new("sha256"), imagedigest.new("blake3", threads=os.cpu_count() or 1)
     lines = []
-    size = 0
     with path.open("rb") as fh:
         while chunk := fh.read(chunk_size):
-            whole.update(chunk)
-            fast.update(chunk)
             lines.append(hashlib.sha256(chunk).hexdigest().encode() + b"\n")
-            size += len(chunk)
-    return FileDigests(whole.hexdigest(), fast.hexdigest(), size, b"".join(lines))
+    return b"".join(lines)
 
 
 def parse(data: bytes, *, size: int, chunk_size: int, name: str) -> tuple[bytes, ...]:

@@ -357,9 +357,13 @@ def _node(rack: Rack) -> dict[str, Any] | None:
 
 
 def _ready(doc: dict[str, Any] | None) -> bool:
+    """Ready, and the node lifecycle controller has lifted its own ``node.kubernetes.io/*`` taints (it does so a
+    moment after Ready): what is left are the pool's taints."""
     if doc is None:
         return False
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in doc["status"].get("conditions", []))
+    lifecycle = [t for t in doc["spec"].get("taints", []) if t["key"].startswith("node.kubernetes.io/")]
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in doc["status"].get("conditions", []))
+    return ready and not lifecycle
 
 
 def _node_state(rack: Rack) -> str:

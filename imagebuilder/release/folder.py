@@ -50,6 +50,7 @@ from imagebuilder.buildfolder import (
 from imagebuilder.errors import BuildError, OutputError, VerificationError
 from imagebuilder.release import cloudinit
 from imagebuilder.release.cloudinit import ControlPlane, PoolConfig
+from imagebuilder.release.digests import digest_file
 from imagebuilder.release.ipxe import BootScript, render_boot, render_entry
 from imagebuilder.run import run
 from imagebuilder.sign import (
@@ -225,7 +226,7 @@ def write_release(spec: ReleaseSpec) -> Path:
 def _image_entry(part: Path, name: str, fmt: str, virtual_size: int | None) -> dict[str, Any]:
     """An image's entry of ``release.json`` from one read of it: its SHA-256 and size, its BLAKE3
     (protocol.imagedigest), and its per-chunk SHA-256 list, written beside it (protocol.chunklist)."""
-    digests = chunklist.digest_file(part / name)
+    digests = digest_file(part / name)
     listed = name + chunklist.SUFFIX
     (part / listed).write_bytes(digests.chunk_list)
     entry = {"name": name, "sha256": digests.sha256, "size": digests.size, "format": fmt,
@@ -361,7 +362,7 @@ def verify_release(folder: Path, public: PublicKey) -> None:
                                      chunk_size=image.chunks.chunk_size, name=image.chunks.name)  # fmt: skip
         except ValueError as exc:
             raise VerificationError(f"{folder / image.chunks.name}: {exc}") from None
-        found = chunklist.digest_file(folder / image.name, image.chunks.chunk_size)
+        found = digest_file(folder / image.name, image.chunks.chunk_size)
         if found.blake3 != image.blake3 or found.chunk_list != b"".join(
             d.hex().encode() + b"\n" for d in listed
         ):

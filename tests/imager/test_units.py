@@ -23,7 +23,6 @@ from imager.inventory import SysfsInventory
 from imager.params import Params, check, from_cmdline
 from imager.qcow2 import check_header, container_format
 from imager.select import choose, exclusions
-from protocol import imagedigest
 from protocol.cmdline import CmdlineError, kernel_params, render_cmdline, render_param
 from protocol.dsse import IN_TOTO_PAYLOAD_TYPE, load_public_key, parse_envelope, verify_envelope
 from protocol.errors import SignatureError
@@ -98,7 +97,7 @@ def test_the_digest_choice_falls_back_to_sha256_only_where_that_was_asked_or_bla
     assert digest.choose("blake3", signed) == digest.Check("blake3", "b" * 64)
     assert digest.choose("sha256", signed) == digest.Check("sha256", "a" * 64)
     # an imager without the module (an older boot environment): auto verifies the SHA-256, blake3 refuses
-    monkeypatch.setattr(imagedigest, "available", lambda algorithm: algorithm == "sha256")
+    monkeypatch.setattr(digest, "available", lambda algorithm: algorithm == "sha256")
     assert digest.choose("auto", signed) == digest.Check("sha256", "a" * 64)
     with pytest.raises(ImagerError) as caught:
         digest.choose("blake3", signed)
@@ -109,16 +108,16 @@ def test_the_blake3_hasher_is_the_reference_one() -> None:
     """BLAKE3 of the empty input and of 1 MiB + 1 byte, against b3sum (the BLAKE3 authors' command)."""
     data = os.urandom((1 << 20) + 1)
     for sample in (b"", data):
-        hasher = imagedigest.new("blake3", threads=2)
+        hasher = digest.new("blake3", threads=2)
         hasher.update(sample)
         printed = sh("b3sum", "--no-names", input_bytes=sample).stdout.split()[0].decode()
         assert hasher.hexdigest() == printed
     assert (
-        imagedigest.new("blake3").hexdigest()
+        digest.new("blake3").hexdigest()
         == "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
     )
     with pytest.raises(ValueError, match="unknown digest algorithm"):
-        imagedigest.new("md5")
+        digest.new("md5")
 
 
 # -- DSSE: what the builder signs, the imager verifies -----------------------------------------------------
