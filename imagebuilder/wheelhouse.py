@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 ARCH_MACHINE = {"amd64": "x86_64", "arm64": "aarch64"}
 OLDEST_MANYLINUX_MINOR = 17
+_PROJECT = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,14 @@ class ReportItem:
 
 def normalise(name: str) -> str:
     return name.lower().replace("_", "-").replace(".", "-")
+
+
+def project_name(requirement: str) -> str:
+    """The normalised project name a requirement line starts with (``tpm2-pytss==2.3.0`` -> ``tpm2-pytss``)."""
+    match = _PROJECT.match(requirement.strip())
+    if match is None:
+        raise LockError(f"{requirement!r} does not start with a project name")
+    return normalise(match.group(0))
 
 
 def platform_tags(target: Target, architecture: str) -> list[str]:
@@ -320,7 +329,10 @@ def pip_report(
             for tag in platform_tags(target, architecture):
                 argv += ["--platform", tag]
         else:
-            argv += ["--no-binary=:all:"]
+            # the sdist of each requested project, but not of their build dependencies: ``:all:`` would reach
+            # into pip's isolated build environment too and compile cryptography from source there (which a
+            # fresh machine without a pip cache then had to do, and could not)
+            argv += [f"--no-binary={project_name(r)}" for r in requirements]
         if no_deps:
             argv.append("--no-deps")
         if no_index:

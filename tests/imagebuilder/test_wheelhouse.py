@@ -8,12 +8,15 @@ builds the wheel with the builder's own function and reads the wheel's member li
 
 from __future__ import annotations
 
+import json
 import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
 
+from imagebuilder import wheelhouse
+from imagebuilder.definition import Target
 from imagebuilder.errors import LockError
 from imagebuilder.wheelhouse import build_agent_wheel
 
@@ -109,3 +112,27 @@ def test_a_module_that_does_not_compile_never_reaches_the_image(tmp_path: Path) 
         build_agent_wheel(repo, tmp_path / "out")
     assert "tracked files as they are on disk" in caught.value.hint
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+
+
+def test_an_sdist_is_asked_for_its_own_project_only_not_for_its_build_dependencies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--no-binary=:all:`` reached into pip's isolated build environment: on a machine without a pip cache,
+    resolving tpm2-pytss's sdist then compiled cryptography from source (and failed). Only the requested
+    project is forced to its sdist."""
+    seen: list[list[str]] = []
+
+    def fake_run(argv: list[str], **_kw: object) -> None:
+        seen.append(argv)
+        report = Path(argv[argv.index("--report") + 1])
+        report.write_text(json.dumps({"install": []}))
+
+    monkeypatch.setattr(wheelhouse, "run", fake_run)
+    target = Target(python="3.12", glibc="2.39")
+    wheelhouse.pip_report(
+        ["tpm2_pytss==2.3.0"], target, "amd64", find_links=[], only_binary=False, no_deps=True
+    )
+    assert "--no-binary=tpm2-pytss" in seen[0]
+    assert not [a for a in seen[0] if a.startswith("--no-binary=:all:") or a == "--only-binary=:all:"]
+    with pytest.raises(LockError, match="project name"):
+        wheelhouse.project_name("==1.0")
