@@ -14,8 +14,8 @@ parallel (the imager gives each core its own chunks). The whole-image digest sta
 consumer.
 
 Public API: :data:`CHUNK_SIZE` (the builder's choice, 64 MiB), :data:`LINE` (bytes per chunk in a
-list), :func:`check_chunk_size`, :func:`chunk_count`, :func:`render` (``path -> bytes``), :func:`parse`
-(the list's bytes, checked against the image).
+list), :func:`check_chunk_size`, :func:`chunk_count`, :func:`line` (one chunk's line), :func:`render`
+(``path -> bytes``), :func:`parse` (the list's bytes, checked against the image).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ __all__ = [
     "SUFFIX",
     "check_chunk_size",
     "chunk_count",
+    "line",
     "parse",
     "render",
 ]
@@ -63,12 +64,17 @@ def chunk_count(size: int, chunk_size: int) -> int:
     return -(-size // chunk_size)
 
 
+def line(chunk: bytes) -> bytes:
+    """One chunk's line of a list."""
+    return hashlib.sha256(chunk).hexdigest().encode() + b"\n"
+
+
 def render(path: Path, chunk_size: int = CHUNK_SIZE) -> bytes:
     """The chunk list of the file at ``path``."""
     lines = []
     with path.open("rb") as fh:
         while chunk := fh.read(chunk_size):
-            lines.append(hashlib.sha256(chunk).hexdigest().encode() + b"\n")
+            lines.append(line(chunk))
     return b"".join(lines)
 
 

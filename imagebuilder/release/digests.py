@@ -35,6 +35,6 @@ def digest_file(path: Path, chunk_size: int = chunklist.CHUNK_SIZE) -> FileDiges
         while chunk := fh.read(chunk_size):
             whole.update(chunk)
             fast.update(chunk)
-            lines.append(hashlib.sha256(chunk).hexdigest().encode() + b"\n")
+            lines.append(chunklist.line(chunk))
             size += len(chunk)
     return FileDigests(whole.hexdigest(), fast.hexdigest(), size, b"".join(lines))
