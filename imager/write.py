@@ -217,7 +217,6 @@ class DiskSink:
         self.target = target
         self.name = name
         self.progress = progress
-        self.check = check
         self.chunked = (
             chunked
             if check.algorithm == "sha256" and chunked is not None and chunked.chunk_size % CHUNK == 0
