@@ -36,7 +36,7 @@ from imagebuilder.cache import Cache
 from imagebuilder.definition import Target
 from imagebuilder.errors import BuildError, LockError, OutputError
 from imagebuilder.run import run
-from imagebuilder.wheelhouse import ARCH_MACHINE, build_agent_wheel
+from imagebuilder.wheelhouse import ARCH_MACHINE, build_agent_wheel, platform_tags
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,6 @@ UDHCPC = Path(__file__).with_name("udhcpc.sh.tmpl")
 REPO = Path(__file__).resolve().parents[2]
 WHEEL_PACKAGES = ("imager/", "protocol/")
 SITE = Path("usr/lib/python3/dist-packages")
-#: The pre-PEP 600 manylinux tags and the glibc each stands for.
-_LEGACY_MANYLINUX = {"manylinux1": 5, "manylinux2010": 12, "manylinux2014": 17}
 
 
 def _unpack(debs: Sequence[Path], tree: Path) -> None:
@@ -77,10 +75,9 @@ def _supported_tags(target: Target, architecture: str) -> tuple[set[tuple[str, s
     pairs = {(cp, cp), (cp, "none"), (f"py{major}", "none")}
     for older in range(2, minor + 1):
         pairs |= {(f"cp{major}{older}", "abi3"), (f"py{major}{older}", "none")}
-    machine = ARCH_MACHINE[architecture]
-    glibc = int(target.glibc.split(".")[1])
-    platforms = {"any"} | {f"manylinux_2_{n}_{machine}" for n in range(glibc + 1)}
-    platforms |= {f"{tag}_{machine}" for tag, needs in _LEGACY_MANYLINUX.items() if needs <= glibc}
+    # the platforms the lock resolved the wheel for (pip's --platform list), less the local-build tag
+    local = f"linux_{ARCH_MACHINE[architecture]}"
+    platforms = {"any"} | {tag for tag in platform_tags(target, architecture) if tag != local}
     return pairs, platforms
 
 
