@@ -46,13 +46,13 @@ settings: deps
 settings-check: deps
 	$(PY) scripts/gensettings.py --check
 
-test: deps  # the peers are built by run-tests.sh, while the VM tier already makes its installer ISO
+test: deps  # run-tests.sh builds the peers in the background: the VM tier needs them only for its last tests
 	scripts/run-tests.sh all
 
 unit: deps
 	scripts/run-tests.sh fast
 
-vm-test: deps peers
+vm-test: deps  # the VM tier builds the peers it needs (interop/build.sh) when they are not built
 	scripts/run-tests.sh vm
 
 demo: deps peers

@@ -183,7 +183,7 @@ def main() -> None:
     from fixtures.installer.build import build_installer_iso
 
     iso = build_installer_iso().iso
-    server = PayloadServer(cached_payloads(real_kubernetes=False))
+    server = PayloadServer(cached_payloads(kind="stand-in"))
     CACHE.mkdir(parents=True, exist_ok=True)
     environ = {
         **os.environ,

@@ -198,7 +198,7 @@ def build_image(
         fixture_iso = built.iso
         print(f"  fixture installer ISO: {fixture_iso}")
         # the real kubeadm, kubelet and kubectl (make peers) in the Kubernetes packages: the node joins a real cluster
-        root = cached_payloads(real_kubernetes=True, kernel=str(built.manifest.get("kernel") or ""))
+        root = cached_payloads(kind="real", kernel=str(built.manifest.get("kernel") or ""))
         payloads = PayloadServer(root)
         stack.callback(payloads.close)
         print(

@@ -6,9 +6,11 @@
 # tiers mostly wait on sockets, TPMs and servers, and neither of those starts a VM or touches the system
 # libvirtd (the VM tier waits for any other QEMU: one VM at a time). Its output is kept in
 # .run/vm-tier.log and printed once it is done; the exit status is the first failing tier's.
-# The VM tier is the longest, so it starts first: before the peers are built (its first step, the fixture
-# installer ISO, needs none; it then waits for the peer build, interop/build.sh's per-module locks) and
-# before the lint (a cold mypy takes minutes; a lint failure still ends the run, and its VMs).
+# The VM tier is the longest (the critical path), so it starts first. The peer build (interop/build.sh) runs
+# in the background at a lower priority (NICE: it has no deadline, the VMs' watchdogs do), filling the CPU the
+# VM tier leaves, beside the lint and the fast tier; the peers tier waits for it. The VM tier needs only the
+# cri-tools peer until its last tests (the demo's image and the demo: vm-tests/conftest.py, real_env) and waits
+# for the others there, through interop/build.sh's per-module locks. A lint failure still ends the run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH"
@@ -20,9 +22,18 @@ VM_LOG=.run/vm-tier.log
 # Each tier's folder is emptied when the tier starts and left for inspection after it.
 BASETEMP=${NODETRUST_TEST_TMP:-/tmp/nodetrust-tests}
 mkdir -p "$BASETEMP"
+# The peer build's priority beside the VM tier (nice(1)'s increment; everything else keeps 0).
+NICE=${NODETRUST_PEERS_NICE:-10}
+PEERS_LOG=.run/peers-build.log
 vm_pid=""
+peers_pid=""
 
 cleanup() {
+  if [ -n "$peers_pid" ] && kill -0 "$peers_pid" 2>/dev/null; then
+    echo ">> stopping the peer build ($peers_pid)" >&2
+    kill -- "-$peers_pid" 2>/dev/null || kill "$peers_pid" 2>/dev/null || true
+    wait "$peers_pid" 2>/dev/null || true
+  fi
   if [ -n "$vm_pid" ] && kill -0 "$vm_pid" 2>/dev/null; then
     echo ">> stopping the VM tier ($vm_pid): its fixtures remove their VMs" >&2
     kill -INT "$vm_pid" 2>/dev/null || true
@@ -52,6 +63,22 @@ lint() {
   mypy protocol agent server imagebuilder imager tests bench scripts vm-tests fixtures
 }
 
+peers_built() {  # wait for the background peer build (when there is one); print its log if it failed
+  if [ -z "$peers_pid" ]; then
+    interop/build.sh
+    return
+  fi
+  local built=0
+  wait "$peers_pid" || built=$?
+  peers_pid=""
+  if [ "$built" -ne 0 ]; then
+    cat "$PEERS_LOG" >&2
+    echo "the peer build (interop/build.sh) failed ($built): its output is above and in $PEERS_LOG" >&2
+    return "$built"
+  fi
+  cat "$PEERS_LOG"
+}
+
 status=0
 if [ "$what" = all ] || [ "$what" = vm ]; then
   trap cleanup EXIT
@@ -62,8 +89,12 @@ if [ "$what" = all ]; then
   started=$(date +%s)
   vm_tier >"$VM_LOG" 2>&1 &
   vm_pid=$!
-  # the VM tier's fixture build takes the real Kubernetes payloads from the peers: it waits for this build
-  interop/build.sh
+  echo "== peers: building beside the VM tier at nice $NICE (output: $PEERS_LOG, printed before the peers tier)"
+  # its own process group (set -m), so that cleanup can stop the go builds under it
+  set -m
+  nice -n "$NICE" interop/build.sh >"$PEERS_LOG" 2>&1 &
+  peers_pid=$!
+  set +m
 fi
 if [ "$what" = all ] || [ "$what" = fast ]; then
   lint
@@ -74,9 +105,12 @@ if [ "$what" = all ] || [ "$what" = fast ]; then
 fi
 if [ "$what" = all ] || [ "$what" = peers ]; then
   echo "== peers (tier 6: a real control plane, kubeadm and kubelet from interop/)"
-  interop/build.sh
   rc=0
-  python -m pytest tests -q -p no:cacheprovider -m peers --durations=0 --basetemp "$BASETEMP/peers" || rc=$?
+  if peers_built; then
+    python -m pytest tests -q -p no:cacheprovider -m peers --durations=0 --basetemp "$BASETEMP/peers" || rc=$?
+  else
+    rc=1
+  fi
   if [ "$rc" -eq 5 ]; then
     echo "peers: no peer tests were collected (exit 5): that is a failure, not a skip" >&2
   fi

@@ -4,14 +4,25 @@ Nothing here skips. A missing piece (libvirtd, QEMU, OVMF, swtpm, the fixture in
 a host tool) fails the test with what to install or start. One VM runs at a time: before a
 test boots anything it waits while another engineer's QEMU is running.
 
-Session fixtures share the expensive parts honestly: one fixture ISO, one payload server,
-one download cache (``~/.cache/nodetrust/imagebuilder-downloads``: outside the checkout, so a clean
-clone reuses it like any CI cache), one lock and one full build of ``examples/fixture-node.yaml``; several tests read that
-build's outputs.
+Session fixtures share the expensive parts honestly: one fixture ISO, one download cache
+(``~/.cache/nodetrust/imagebuilder-downloads``: outside the checkout, so a clean clone reuses it like any CI
+cache), one lock and one full build of ``examples/fixture-node.yaml``; several tests read that build's outputs.
+
+Two payload trees (tests/support/payload_server.py), each on a server of its own:
+
+* ``env``: the **runtime** tree (the real crictl, stand-ins for kubeadm, kubelet, kubectl and SPIRE). It needs
+  only the cri-tools peer, so the session build starts while ``make test`` still builds the Kubernetes and
+  SPIRE peers beside this tier: on a fresh machine the installer runs instead of waiting for them;
+* ``real_env``: the **real** tree (every peer): the incremental build of the same definition, whose image the
+  demo boots and joins to a real control plane. It reuses the session build's installed base (the base holds
+  the definition's Debian packages, not these), which vm-tests/test_incremental.py asserts.
+
+The tests that need the real tree run last (``pytest_collection_modifyitems``), when the peers are built.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -33,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.support import cachedirs  # noqa: E402
 from tests.support.definitions import absolute_paths  # noqa: E402
-from tests.support.payload_server import PayloadServer, cached_payloads  # noqa: E402
+from tests.support.payload_server import PEER_MODULES, Kind, PayloadServer, cached_payloads  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "fixture-node.yaml"
 CACHE = cachedirs.shared("imagebuilder-downloads")
@@ -95,35 +106,37 @@ class Env:
     environ: dict[str, str]
 
 
-@pytest.fixture(scope="session")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    _require_host()
-    from fixtures.installer.build import build_installer_iso
-    from fixtures.installer.proc import BuildError
-    from tests.support.peers import PeerError
-
-    try:
-        built = build_installer_iso()
-    except BuildError as exc:
-        pytest.fail(f"building the fixture installer ISO failed: {exc}")
-    iso = built.iso
-    # `make test` builds the peers beside this tier (scripts/run-tests.sh): wait for that build through its
-    # per-module locks (a no-op when they are built; builds them when nothing else is)
+def _peers(*modules: str) -> None:
+    """Build the peers ``modules`` (all when none), or wait for ``make test``'s build of them beside this tier
+    (scripts/run-tests.sh) through interop/build.sh's per-module locks; a no-op when they are built."""
+    what = " ".join(modules) or "every module"
     try:
         peers = subprocess.run(
-            [str(REPO / "interop" / "build.sh")], capture_output=True, text=True, check=False, timeout=3600
+            [str(REPO / "interop" / "build.sh"), *modules],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=3600,
         )
     except subprocess.TimeoutExpired:
-        pytest.fail("building the test peers (interop/build.sh) took more than an hour")
+        pytest.fail(f"building the test peers (interop/build.sh {what}) took more than an hour")
     if peers.returncode != 0:
         pytest.fail(
-            f"building the test peers (interop/build.sh) failed:\n{peers.stdout[-4000:]}{peers.stderr[-4000:]}"
+            f"building the test peers (interop/build.sh {what}) failed:\n{peers.stdout[-4000:]}{peers.stderr[-4000:]}"
         )
+
+
+@contextlib.contextmanager
+def _served(kind: Kind, iso: Path, kernel: str) -> Iterator[Env]:
+    """The payload tree of ``kind`` (its peers built or waited for first) on a server of its own."""
+    from tests.support.peers import PeerError
+
+    _peers(*PEER_MODULES[kind])
     try:
-        # the real kubeadm, kubelet and kubectl (make peers), the NVIDIA stand-ins for the installer's kernel
-        root = cached_payloads(real_kubernetes=True, kernel=str(built.manifest.get("kernel") or ""))
+        # the NVIDIA stand-ins for the installer's kernel; the Kubernetes debs as the kind says
+        root = cached_payloads(kind=kind, kernel=kernel)
     except PeerError as exc:
-        pytest.fail(f"the fixture payloads need the test peers: {exc}")
+        pytest.fail(f"the fixture's {kind} payloads need the test peers: {exc}")
     server = PayloadServer(root)
     CACHE.mkdir(parents=True, exist_ok=True)
     environ = {
@@ -136,6 +149,41 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         yield Env(iso, server, CACHE, environ)
     finally:
         server.close()
+
+
+@pytest.fixture(scope="session")
+def installer_iso() -> tuple[Path, str]:
+    """The fixture installer ISO and its kernel release (built once per recipe, cached)."""
+    _require_host()
+    from fixtures.installer.build import build_installer_iso
+    from fixtures.installer.proc import BuildError
+
+    try:
+        built = build_installer_iso()
+    except BuildError as exc:
+        pytest.fail(f"building the fixture installer ISO failed: {exc}")
+    return built.iso, str(built.manifest.get("kernel") or "")
+
+
+@pytest.fixture(scope="session")
+def env(installer_iso: tuple[Path, str]) -> Iterator[Env]:
+    """The session build's payloads: the runtime tree (the cri-tools peer only)."""
+    with _served("runtime", *installer_iso) as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def real_env(installer_iso: tuple[Path, str]) -> Iterator[Env]:
+    """The demo image's payloads: the real tree (every peer: waits for `make test`'s build of them)."""
+    _peers()  # the demo needs the control plane's and SPIRE's peers too, not only the tree's
+    with _served("real", *installer_iso) as served:
+        yield served
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests that need the real payload tree (every peer) last: on a fresh machine the peers are built
+    beside this tier, and everything else runs meanwhile. Otherwise pytest's order is kept."""
+    items.sort(key=lambda item: "real_env" in getattr(item, "fixturenames", ()))
 
 
 def work_dir(tmp: Path) -> Path:
@@ -252,11 +300,13 @@ def full_build(env: Env, tmp_path_factory: pytest.TempPathFactory) -> Iterator[B
 
 @pytest.fixture(scope="session")
 def incremental_build(
-    env: Env, full_build: Build, tmp_path_factory: pytest.TempPathFactory
+    real_env: Env, full_build: Build, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Build]:
-    """A rebuild that changes staged artifacts only (the newest staged Kubernetes dropped): it reuses the full
-    build's installed base. Built with ``--no-test``: its image is booted by the demo (vm-tests/test_demo.py),
-    which asks far more of it than the boot test (attest, checks, measured boot, join); one boot, not two."""
+    """A rebuild that changes staged artifacts only: the real tree's Kubernetes and SPIRE in place of the
+    runtime tree's stand-ins, and the newest staged Kubernetes dropped. It reuses the full build's installed
+    base. Built with ``--no-test``: its image is booted by the demo (vm-tests/test_demo.py), which asks far more
+    of it than the boot test (attest, checks, measured boot, the real join); one boot, not two."""
+    env = real_env
     base = tmp_path_factory.mktemp("incremental-build")
     kube = yaml.safe_load(full_build.definition.read_text())["kubernetes"]
     definition = variant(base, {"kubernetes": {**kube, "staged": kube["staged"][:-1]}})

@@ -239,7 +239,8 @@ def test_demo_refuses_a_missing_ubuntu_iso(tmp_path: Path) -> None:
 
 def test_the_boot_environments_own_python_loads_the_pinned_blake3() -> None:
     """The blake3 wheel the lock pins works with the boot environment's Debian Python 3.11, glibc and libgcc_s:
-    ``initrd.img`` unpacked and entered with chroot (about 1 s once the demo above built the boot environment)."""
+    ``initrd.img`` unpacked and entered with chroot (about 1 s once the boot environment is built; it runs before
+    the demo, which needs every peer, and builds the boot environment the demo then reuses)."""
     from imagebuilder.bootenv import recipe
     from tests.support.bootenv import imager_bootenv, run_in_bootenv
 

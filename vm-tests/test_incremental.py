@@ -1,10 +1,11 @@
 """Incremental rebuilds: a change to staged artifacts only reuses the installed base of the session's full
 build (no installer run), and still yields a standalone QCOW2.
 
-One extra build (conftest ``incremental_build``): the session's full build (``full_build``, run with
-``--full``) installed and cached the base; the incremental one changes the staged Kubernetes versions,
-locks and builds again, with ``--no-test``: that its image boots and works is the demo's to show
-(vm-tests/test_demo.py boots it, attests, checks, verifies its measured boot and joins).
+One extra build (conftest ``incremental_build``): the session's build (``full_build``, from the runtime payload
+tree: stand-in kubeadm, kubelet, kubectl and SPIRE) installed and cached the base, or took it from the machine's
+base cache; the incremental one locks against the real payload tree (the peers' Kubernetes and SPIRE) with one
+staged Kubernetes version fewer, and builds again with ``--no-test``: that its image boots and works is the
+demo's to show (vm-tests/test_demo.py boots it, attests, checks, verifies its measured boot and joins).
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ pytestmark = [pytest.mark.vm, pytest.mark.slow, pytest.mark.timeout(3600)]
 def _manifest(folder: Path) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((folder / "manifest.json").read_text())
     return data
+
+
+def _pins(manifest: dict[str, Any], name: str) -> set[str]:
+    """The SHA-256 of every input called ``name`` in a build's manifest."""
+    return {str(i["sha256"]) for i in manifest["inputs"] if i.get("name") == name}
 
 
 def test_a_staged_artifact_change_reuses_the_installed_base(
@@ -48,6 +54,9 @@ def test_a_staged_artifact_change_reuses_the_installed_base(
     assert re.search(r"nodetrust-stage: \[[^]]*\] pip pip-\S+\.whl: unpacked and byte-compiled", console)
     assert re.search(r"venv /opt/nodeagent/venv: \S+ \(pip compiled in the base\)", console)
     assert manifest["kubernetes"]["staged"] == staged
+    # the staged artifacts did change: other kubeadm and spire-agent payloads (real ones in place of stand-ins)
+    assert _pins(manifest, "kubeadm") and _pins(manifest, "kubeadm") != _pins(full, "kubeadm")
+    assert _pins(manifest, "spire-agent") and _pins(manifest, "spire-agent") != _pins(full, "spire-agent")
     # a standalone image: no backing file
     info = json.loads(run("qemu-img", "info", "--output=json", str(folder / "fixture-node.qcow2")).stdout)
     assert info["format"] == "qcow2"

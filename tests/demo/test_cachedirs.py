@@ -49,20 +49,43 @@ def test_prune_keeps_the_newest_and_always_the_current_entry(tmp_path: Path) -> 
 def test_the_payload_tree_is_named_by_its_recipe(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Another kernel, kind or FORMAT is another folder: a clone with other payload code never serves a stale
     tree from the shared cache (the build itself is the VM tier's; here it is recorded, not run)."""
-    built: list[tuple[Path, bool, str]] = []
+    built: list[tuple[Path, str, str]] = []
 
-    def fake_build(root: Path, *, real_kubernetes: bool = False, kernel: str = "") -> Path:
-        built.append((root, real_kubernetes, kernel))
+    def fake_build(root: Path, *, kind: str = "stand-in", kernel: str = "") -> Path:
+        built.append((root, kind, kernel))
         root.mkdir(parents=True, exist_ok=True)
         return root
 
     monkeypatch.setattr(payload_server, "PAYLOADS", tmp_path)
     monkeypatch.setattr(payload_server, "build_payloads", fake_build)
-    one = payload_server.cached_payloads(real_kubernetes=False, kernel="6.1.0-50-amd64")
+    one = payload_server.cached_payloads(kind="stand-in", kernel="6.1.0-50-amd64")
     assert one.parent == tmp_path and one.name.startswith("stand-in-")
-    assert payload_server.cached_payloads(real_kubernetes=False, kernel="6.1.0-50-amd64") == one
-    other_kernel = payload_server.cached_payloads(real_kubernetes=False, kernel="6.8.0-1-generic")
+    assert payload_server.cached_payloads(kind="stand-in", kernel="6.1.0-50-amd64") == one
+    other_kernel = payload_server.cached_payloads(kind="stand-in", kernel="6.8.0-1-generic")
+    runtime = payload_server.cached_payloads(kind="runtime", kernel="6.1.0-50-amd64")
+    assert runtime.name.startswith("runtime-")
     monkeypatch.setattr(payload_server, "FORMAT", payload_server.FORMAT + "x")
-    other_format = payload_server.cached_payloads(real_kubernetes=False, kernel="6.1.0-50-amd64")
-    assert len({one, other_kernel, other_format}) == 3
-    assert [b[2] for b in built] == ["6.1.0-50-amd64", "6.1.0-50-amd64", "6.8.0-1-generic", "6.1.0-50-amd64"]
+    other_format = payload_server.cached_payloads(kind="stand-in", kernel="6.1.0-50-amd64")
+    assert len({one, other_kernel, runtime, other_format}) == 4
+    assert [(b[1], b[2]) for b in built] == [
+        ("stand-in", "6.1.0-50-amd64"),
+        ("stand-in", "6.1.0-50-amd64"),
+        ("stand-in", "6.8.0-1-generic"),
+        ("runtime", "6.1.0-50-amd64"),
+        ("stand-in", "6.1.0-50-amd64"),
+    ]
+    with pytest.raises(ValueError, match="kind 'fake'"):
+        payload_server.cached_payloads(kind="fake", kernel="6.1.0-50-amd64")  # type: ignore[arg-type]
+
+
+def test_a_kinds_tree_is_made_from_its_own_peers_pins() -> None:
+    """A runtime tree is made from the cri-tools peer only: a Kubernetes or SPIRE pin leaves its key alone."""
+    interop = payload_server.REPO / "interop"
+    names = {kind: {p.relative_to(interop).as_posix() for p in payload_server.recipe_files(kind) if p.is_relative_to(interop)}
+             for kind in payload_server.KINDS}  # fmt: skip
+    assert names["stand-in"] == set()
+    assert names["runtime"] == {"critools/go.sum", "critools/peer.conf"}
+    assert names["real"] == {
+        f"{m}/{f}" for m in ("critools", "kube", "spire") for f in ("go.sum", "peer.conf")
+    }
+    assert all(p.is_file() for kind in payload_server.KINDS for p in payload_server.recipe_files(kind))

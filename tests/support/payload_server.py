@@ -5,19 +5,27 @@ Small, deterministic payloads with real SHA-256 pins for what a node image stage
 * Kubernetes: for each version, kubeadm, kubelet and kubectl debs built with dpkg-deb, plus their
   dependencies cri-tools and kubernetes-cni, in flat apt repositories laid out like pkgs.k8s.io
   (``/k8s/core:/stable:/v1.36/deb/{InRelease,Packages,amd64/*.deb}``), ``InRelease`` clear-signed with
-  the fixture test key. With ``real_kubernetes=True`` (the VM tier and ``make demo``) the debs hold the
-  real kubeadm, kubelet, kubectl and crictl that ``make peers`` builds, in the upstream packages'
-  layout with kubeadm's systemd drop-in (:mod:`tests.support.kube_debs` says exactly what each version's
-  binaries are); otherwise (the fast tier) shell scripts that say they are stand-ins;
+  the fixture test key. The tree's **kind** (:data:`KINDS`) says what the debs hold:
+
+  - ``real`` (the demo's image in the VM tier, and ``make demo``): the real kubeadm, kubelet, kubectl and
+    crictl that ``make peers`` builds, in the upstream packages' layout with kubeadm's systemd drop-in
+    (:mod:`tests.support.kube_debs` says exactly what each version's binaries are), and kubernetes-cni's
+    links to Debian's CNI plugins;
+  - ``runtime`` (the VM tier's session build, whose boot test lists the imported images with crictl): the
+    real crictl and CNI links of ``real``, and stand-ins for kubeadm, kubelet and kubectl, the pause image
+    and SPIRE. It needs only the cri-tools peer (a minute to build), so the session build need not wait for
+    the Kubernetes and SPIRE peers; its installed base is the one a ``real`` tree's build reuses (the
+    base holds the definition's Debian packages, never these);
+  - ``stand-in`` (the fast tier): shell scripts that say they are stand-ins, no peers needed;
 * OCI image archives imported by the image's containerd at build time: the sandbox image
   ``registry.k8s.io/pause:3.10.2`` (``/images/pause/3.10.2/``, pause compiled from Kubernetes v1.36.3's
-  source when ``real_kubernetes``), and stand-in images for kube-proxy (laid out like dl.k8s.io:
+  source in a ``real`` tree), and stand-in images for kube-proxy (laid out like dl.k8s.io:
   ``/k8s-release/v1.36.3/bin/linux/amd64/kube-proxy.tar`` and ``.tar.sha256``) and OVN-Kubernetes (in the
   signed ``SHA256SUMS`` of its release) (:mod:`tests.support.oci_images`);
 * ``/nvidia/deb/``: a signed flat apt repository of stand-ins for the NVIDIA stack, named ``*-standin``
   (:mod:`tests.support.nvidia_standins`), the kernel modules built for ``kernel``;
 * SPIRE agent 1.14.1 and the TPM attestor plugin 1.9.0: tarballs with the checksum files
-  their projects publish (unsigned). With ``real_kubernetes=True`` the SPIRE tarball holds the real
+  their projects publish (unsigned). In a ``real`` tree the SPIRE tarball holds the real
   spire-agent of ``make peers`` (v1.13.3's source with 1.14.1 stamped as its version) in upstream's
   layout, without spire-server (:mod:`tests.support.spire_release` says exactly what it is); otherwise
   a stand-in;
@@ -35,7 +43,7 @@ Every stand-in binary says that it is a stand-in. The signing key is a test key
 :class:`PayloadServer` serves a payload tree with ``Range`` support and can tamper with,
 truncate or fail a path on demand (the tests' way to corrupt a download).
 
-    python -m tests.support.payload_server [--root DIR] [--port 8765] [--stand-ins] [--kernel RELEASE]
+    python -m tests.support.payload_server [--root DIR] [--port 8765] [--kind KIND] [--kernel RELEASE]
 
 builds the tree (once) and serves it, for ``imagebuilder build examples/fixture-node.yaml``.
 """
@@ -57,7 +65,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from tests.support import cachedirs, kube_debs, nvidia_standins, oci_images, spire_release
 
@@ -76,6 +84,17 @@ _RECIPE_FILES = (
     "spire_release.py",
 )
 KEEP_TREES = 3
+#: What a tree's Kubernetes debs, pause image and SPIRE tarball hold (the module's docstring says each).
+Kind = Literal["stand-in", "runtime", "real"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
+#: The peers (interop/<module>) each kind is built from.
+PEER_MODULES: dict[Kind, tuple[str, ...]] = {
+    "stand-in": (),
+    "runtime": ("critools",),
+    "real": ("critools", "kube", "spire"),
+}
+#: The packages whose files are real in a ``runtime`` tree.
+RUNTIME_PACKAGES = frozenset({"cri-tools", "kubernetes-cni"})
 DEFAULT_PORT = 8765
 EPOCH = 1767225600  # 2026-01-01T00:00:00Z, every mtime in the payloads
 FORMAT = "7"  # bump when the payloads change
@@ -253,39 +272,50 @@ def _signing_home() -> Iterator[Path]:
 # -- the tree ------------------------------------------------------------------------------------------------
 
 
-def cached_payloads(*, real_kubernetes: bool, kernel: str = DEFAULT_KERNEL) -> Path:
+def recipe_files(kind: Kind) -> list[Path]:
+    """The files a tree of ``kind`` is made from: this module and its helpers, the signing key, and the
+    ``go.sum`` and ``peer.conf`` of the kind's own peers (a Kubernetes pin leaves a runtime tree alone)."""
+    here = Path(__file__).resolve().parent
+    files = [here / name for name in _RECIPE_FILES] + [SECRET_KEY]
+    for module in PEER_MODULES[kind]:
+        files += [REPO / "interop" / module / "go.sum", REPO / "interop" / module / "peer.conf"]
+    return files
+
+
+def cached_payloads(*, kind: Kind, kernel: str = DEFAULT_KERNEL) -> Path:
     """The payload tree for this kind and kernel in the machine's cache (:mod:`tests.support.cachedirs`),
     built first if needed; one builder at a time, older trees pruned (the newest :data:`KEEP_TREES` stay).
 
     The tree's folder is named by a digest of FORMAT, the kind, the kernel, the modules that make it, the
-    signing key and the peers' ``go.sum`` and ``peer.conf``: a clone with other payload code gets its own.
+    signing key and the ``go.sum`` and ``peer.conf`` of the kind's peers: a clone with other payload code gets
+    its own.
     """
+    if kind not in KINDS:
+        raise ValueError(f"payload tree kind {kind!r}: one of {', '.join(KINDS)}")
     kernel = kernel or DEFAULT_KERNEL
-    here = Path(__file__).resolve().parent
-    files = [here / name for name in _RECIPE_FILES] + [SECRET_KEY]
-    if real_kubernetes:
-        files += sorted((REPO / "interop").glob("*/go.sum")) + sorted((REPO / "interop").glob("*/peer.conf"))
-    kind = "real" if real_kubernetes else "stand-in"
-    key = cachedirs.inputs_key(FORMAT, kind, kernel, files=files, base=REPO)
+    key = cachedirs.inputs_key(FORMAT, kind, kernel, files=recipe_files(kind), base=REPO)
     root = PAYLOADS / f"{kind}-{key}"
     PAYLOADS.mkdir(parents=True, exist_ok=True)
     with open(PAYLOADS / f".lock-{kind}-{key}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        build_payloads(root, real_kubernetes=real_kubernetes, kernel=kernel)
+        build_payloads(root, kind=kind, kernel=kernel)
     cachedirs.prune(PAYLOADS, keep=KEEP_TREES, current=root)
     return root
 
 
-def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = DEFAULT_KERNEL) -> Path:
+def build_payloads(root: Path, *, kind: Kind = "stand-in", kernel: str = DEFAULT_KERNEL) -> Path:
     """Build the payload tree under ``root`` (once per FORMAT, kind and kernel) and return ``root``.
 
-    ``real_kubernetes``: the Kubernetes debs hold the real binaries from ``make peers`` and the pause image
-    is built from Kubernetes' source (:class:`tests.support.peers.PeerError` names ``make peers`` when they
-    are missing); ``kernel``: the kernel release the NVIDIA stand-in modules are built for (the fixture
-    installer's ``build.json`` ``kernel``).
+    ``kind``: what the Kubernetes debs, the pause image and the SPIRE tarball hold (:data:`KINDS`, the
+    module's docstring); a kind with real binaries needs its peers (:data:`PEER_MODULES`;
+    :class:`tests.support.peers.PeerError` names ``make peers`` when they are missing); ``kernel``: the kernel
+    release the NVIDIA stand-in modules are built for (the fixture installer's ``build.json`` ``kernel``).
     """
+    if kind not in KINDS:
+        raise ValueError(f"payload tree kind {kind!r}: one of {', '.join(KINDS)}")
     kernel = kernel or DEFAULT_KERNEL
-    recipe = f"{FORMAT} {'real' if real_kubernetes else 'stand-in'} {kernel}"
+    real_kubernetes = kind == "real"
+    recipe = f"{FORMAT} {kind} {kernel}"
     stamp = root / ".complete"
     if stamp.is_file() and stamp.read_text().strip() == recipe:
         return root
@@ -300,34 +330,39 @@ def build_payloads(root: Path, *, real_kubernetes: bool = False, kernel: str = D
                 debs = repo / "amd64"
                 deb_version = f"{version}-{DEB_REVISION}"
                 cri = f"{minor}.0"
-                # Real binaries are tens of MB: gzip unpacks several times faster than xz under emulation.
-                big = "gzip" if real_kubernetes else "xz"
+
+                def real(package: str) -> bool:
+                    return real_kubernetes or (kind == "runtime" and package in RUNTIME_PACKAGES)
+
+                def big(package: str) -> str:
+                    # Real binaries are tens of MB: gzip unpacks several times faster than xz under emulation.
+                    return "gzip" if real(package) else "xz"
 
                 def files(package: str, upstream: str, what: str) -> dict[str, kube_debs.Content]:
                     return kube_debs.package_files(
-                        package, upstream, real=real_kubernetes, standin=_standin(what, upstream)
+                        package, upstream, real=real(package), standin=_standin(what, upstream)
                     )
 
                 def about(package: str) -> str:
-                    if not real_kubernetes:
+                    if not real(package):
                         return ""
                     return f"{package} for the nodetrust fixture image, from the test peers (tests/support/kube_debs.py)"
 
                 _deb(debs, "cri-tools", f"{cri}-{DEB_REVISION}", files("cri-tools", cri, "crictl"),
-                     compression=big, description=about("cri-tools"))  # fmt: skip
+                     compression=big("cri-tools"), description=about("cri-tools"))  # fmt: skip
                 _deb(debs, "kubernetes-cni", f"{KUBERNETES_CNI}-{DEB_REVISION}",
                      files("kubernetes-cni", KUBERNETES_CNI, "cni bridge"), description=about("kubernetes-cni"))  # fmt: skip
-                _deb(debs, "kubectl", deb_version, files("kubectl", version, "kubectl"), compression=big,
+                _deb(debs, "kubectl", deb_version, files("kubectl", version, "kubectl"), compression=big("kubectl"),
                      description=about("kubectl"))  # fmt: skip
                 _deb(debs, "kubelet", deb_version, files("kubelet", version, "kubelet"),
-                     depends="kubernetes-cni (>= 1.2.0)", compression=big, description=about("kubelet"))  # fmt: skip
+                     depends="kubernetes-cni (>= 1.2.0)", compression=big("kubelet"), description=about("kubelet"))  # fmt: skip
                 _deb(
                     debs,
                     "kubeadm",
                     deb_version,
                     files("kubeadm", version, "kubeadm"),
                     depends=f"kubelet (>= {minor}.0), kubectl (>= {minor}.0), cri-tools (>= {minor}.0)",
-                    compression=big,
+                    compression=big("kubeadm"),
                     description=about("kubeadm"),
                 )
                 _flat_repo(repo, home)
@@ -560,16 +595,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"loopback port (default: {DEFAULT_PORT})"
     )
-    parser.add_argument("--stand-ins", action="store_true",
-                        help="stand-in scripts for kubeadm, kubelet, kubectl and crictl (no `make peers` needed)")  # fmt: skip
+    parser.add_argument("--kind", choices=KINDS, default="real",
+                        help="real: the binaries of `make peers` (default); runtime: only crictl real (the cri-tools "
+                             "peer); stand-in: scripts that say they are stand-ins (no peers needed)")  # fmt: skip
     parser.add_argument(
         "--kernel", default=DEFAULT_KERNEL, help="kernel release for the NVIDIA stand-in modules"
     )
     args = parser.parse_args(argv)
     if args.root is None:
-        root = cached_payloads(real_kubernetes=not args.stand_ins, kernel=args.kernel)
+        root = cached_payloads(kind=args.kind, kernel=args.kernel)
     else:
-        root = build_payloads(args.root, real_kubernetes=not args.stand_ins, kernel=args.kernel)
+        root = build_payloads(args.root, kind=args.kind, kernel=args.kernel)
     server = PayloadServer(root, args.port)
     print(f"serving fixture payloads from {root} at {server.url} (Ctrl-C stops)", flush=True)
     try:
