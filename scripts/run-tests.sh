@@ -7,8 +7,8 @@
 # libvirtd (the VM tier waits for any other QEMU: one VM at a time). Its output is kept in
 # .run/vm-tier.log and printed once it is done; the exit status is the first failing tier's.
 # The VM tier is the longest (the critical path), so it starts first. The peer build (interop/build.sh) runs
-# in the background at a lower priority (NICE: it has no deadline, the VMs' watchdogs do), filling the CPU the
-# VM tier leaves, beside the lint and the fast tier; the peers tier waits for it. The VM tier needs only the
+# in the background, its compiles at nice 19 (they have no deadline, the VMs' watchdogs do), filling the CPU
+# the VM tier leaves, beside the lint and the fast tier; the peers tier waits for it. The VM tier needs only the
 # cri-tools peer until its last tests (the demo's image and the demo: vm-tests/conftest.py, real_env) and waits
 # for the others there, through interop/build.sh's per-module locks. A lint failure still ends the run.
 set -euo pipefail
@@ -22,8 +22,6 @@ VM_LOG=.run/vm-tier.log
 # Each tier's folder is emptied when the tier starts and left for inspection after it.
 BASETEMP=${NODETRUST_TEST_TMP:-/tmp/nodetrust-tests}
 mkdir -p "$BASETEMP"
-# The peer build's priority beside the VM tier (nice(1)'s increment; everything else keeps 0).
-NICE=${NODETRUST_PEERS_NICE:-10}
 PEERS_LOG=.run/peers-build.log
 vm_pid=""
 peers_pid=""
@@ -89,10 +87,10 @@ if [ "$what" = all ]; then
   started=$(date +%s)
   vm_tier >"$VM_LOG" 2>&1 &
   vm_pid=$!
-  echo "== peers: building beside the VM tier at nice $NICE (output: $PEERS_LOG, printed before the peers tier)"
+  echo "== peers: building beside the VM tier (output: $PEERS_LOG, printed before the peers tier)"
   # its own process group (set -m), so that cleanup can stop the go builds under it
   set -m
-  nice -n "$NICE" interop/build.sh >"$PEERS_LOG" 2>&1 &
+  interop/build.sh >"$PEERS_LOG" 2>&1 &
   peers_pid=$!
   set +m
 fi
