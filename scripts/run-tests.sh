@@ -71,7 +71,7 @@ peers_built() {  # wait for the background peer build (when there is one); print
   peers_pid=""
   if [ "$built" -ne 0 ]; then
     cat "$PEERS_LOG" >&2
-    echo "the peer build (interop/build.sh) failed ($built): its output is above and in $PEERS_LOG" >&2
+    echo "the peer build (interop/build.sh) or the real payload tree after it failed ($built): its output is above and in $PEERS_LOG" >&2
     return "$built"
   fi
   cat "$PEERS_LOG"
@@ -88,9 +88,11 @@ if [ "$what" = all ]; then
   vm_tier >"$VM_LOG" 2>&1 &
   vm_pid=$!
   echo "== peers: building beside the VM tier (output: $PEERS_LOG, printed before the peers tier)"
+  # then the real payload tree for the demo's image (vm-tests/conftest.py real_env), off the VM tier's path;
   # its own process group (set -m), so that cleanup can stop the go builds under it
   set -m
-  interop/build.sh >"$PEERS_LOG" 2>&1 &
+  { interop/build.sh && nice -n 10 python -m tests.support.payload_server --kind real --for-fixture-iso --prepare; } \
+    >"$PEERS_LOG" 2>&1 &
   peers_pid=$!
   set +m
 fi

@@ -163,8 +163,11 @@ def _deb(
         out.mkdir(parents=True, exist_ok=True)
         deb = out / f"{name}_{version}_{arch}.deb"
         env = {**os.environ, "SOURCE_DATE_EPOCH": str(EPOCH)}
+        # gzip at level 1 for the real binaries (tens of MB each): about five times less CPU than dpkg-deb's
+        # default 9 for a few per cent more bytes, and a payload tree is built on every cold run
+        level = ["-z1"] if compression == "gzip" else []
         subprocess.run(
-            ["dpkg-deb", "--root-owner-group", f"-Z{compression}", "--build", str(root), str(deb)],
+            ["dpkg-deb", "--root-owner-group", f"-Z{compression}", *level, "--build", str(root), str(deb)],
             check=True,
             capture_output=True,
             env=env,
@@ -586,6 +589,14 @@ class PayloadServer:
         self._httpd.server_close()
 
 
+def fixture_kernel() -> str:
+    """The kernel release of the fixture installer ISO (built first when it is not cached): the one the VM
+    tier's payload trees are built for."""
+    from fixtures.installer.build import build_installer_iso
+
+    return str(build_installer_iso().manifest.get("kernel") or DEFAULT_KERNEL)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.support.payload_server", description=__doc__.split("\n\n")[0]
@@ -598,14 +609,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kind", choices=KINDS, default="real",
                         help="real: the binaries of `make peers` (default); runtime: only crictl real (the cri-tools "
                              "peer); stand-in: scripts that say they are stand-ins (no peers needed)")  # fmt: skip
-    parser.add_argument(
+    kernel = parser.add_mutually_exclusive_group()
+    kernel.add_argument(
         "--kernel", default=DEFAULT_KERNEL, help="kernel release for the NVIDIA stand-in modules"
     )
+    kernel.add_argument("--for-fixture-iso", action="store_true",
+                        help="the NVIDIA stand-ins for the fixture installer ISO's kernel, as the VM tier builds them "
+                             "(builds the ISO first when it is not cached)")  # fmt: skip
+    parser.add_argument("--prepare", action="store_true",
+                        help="build the tree (when it is not built) and print its folder; serve nothing: "
+                             "make test builds the real tree this way once the peers are built")  # fmt: skip
     args = parser.parse_args(argv)
+    release = fixture_kernel() if args.for_fixture_iso else args.kernel
     if args.root is None:
-        root = cached_payloads(kind=args.kind, kernel=args.kernel)
+        root = cached_payloads(kind=args.kind, kernel=release)
     else:
-        root = build_payloads(args.root, kind=args.kind, kernel=args.kernel)
+        root = build_payloads(args.root, kind=args.kind, kernel=release)
+    if args.prepare:
+        print(root, flush=True)
+        return 0
     server = PayloadServer(root, args.port)
     print(f"serving fixture payloads from {root} at {server.url} (Ctrl-C stops)", flush=True)
     try:
