@@ -83,6 +83,7 @@ def check_acknowledged(dsn: str, lines: list[str]) -> int:
 
 def test_kill_9_during_a_write_storm(store: SqlStore, dsn: str, backend: str) -> None:
     path = sqlite_path(dsn)
+    acked: set[str] = set()
     for round_, acks in enumerate((150, 333, 517)):
         worker = spawn_worker("storm", dsn, f"r{round_}", "4")
         lines = storm_until_killed(worker, acks, lambda: os.kill(worker.pid, signal.SIGKILL))  # noqa: B023
@@ -90,8 +91,12 @@ def test_kill_9_during_a_write_storm(store: SqlStore, dsn: str, backend: str) ->
         if path is not None:
             assert os.path.exists(path + "-wal"), "the worker should have died with its WAL not checkpointed"
         assert check_acknowledged(dsn, lines) > 0
-    # The store the test holds still works, and so does a fresh one.
-    assert store.count_agents() == 3 * 4 * 8
+        acked |= {line.split(" ")[1] for line in lines if line.startswith("A ")}
+    # The store the test holds still works, and so does a fresh one. Each of the 4 threads of a round writes 8
+    # agents in turn; on a loaded machine one thread may not have reached all of its 8 before the kill, so the
+    # count lies between the agents acknowledged (one may be committed and not yet acknowledged) and 3 * 4 * 8.
+    assert len(acked) <= store.count_agents() <= 3 * 4 * 8
+    assert len(acked) >= 3 * 8  # every round: a thread that wrote 8 times went through its 8 agents
     fresh = open_backend(dsn)
     try:
         assert fresh.migrate() == store.schema_version()
