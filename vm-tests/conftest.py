@@ -127,11 +127,12 @@ def _peers(*modules: str) -> None:
 
 
 @contextlib.contextmanager
-def _served(kind: Kind, iso: Path, kernel: str) -> Iterator[Env]:
-    """The payload tree of ``kind`` (its peers built or waited for first) on a server of its own."""
+def _served(kind: Kind, iso: Path, kernel: str, peers: tuple[str, ...]) -> Iterator[Env]:
+    """The payload tree of ``kind`` on a server of its own, once ``peers`` are built or waited for (every
+    module when empty)."""
     from tests.support.peers import PeerError
 
-    _peers(*PEER_MODULES[kind])
+    _peers(*peers)
     try:
         # the NVIDIA stand-ins for the installer's kernel; the Kubernetes debs as the kind says
         root = cached_payloads(kind=kind, kernel=kernel)
@@ -168,15 +169,15 @@ def installer_iso() -> tuple[Path, str]:
 @pytest.fixture(scope="session")
 def env(installer_iso: tuple[Path, str]) -> Iterator[Env]:
     """The session build's payloads: the runtime tree (the cri-tools peer only)."""
-    with _served("runtime", *installer_iso) as served:
+    with _served("runtime", *installer_iso, PEER_MODULES["runtime"]) as served:
         yield served
 
 
 @pytest.fixture(scope="session")
 def real_env(installer_iso: tuple[Path, str]) -> Iterator[Env]:
     """The demo image's payloads: the real tree (every peer: waits for `make test`'s build of them)."""
-    _peers()  # the demo needs the control plane's and SPIRE's peers too, not only the tree's
-    with _served("real", *installer_iso) as served:
+    # every module: the demo needs the control plane's and spire-server's peers too, not only the tree's
+    with _served("real", *installer_iso, ()) as served:
         yield served
 
 
