@@ -388,6 +388,11 @@ def main() -> int:
         "--clients", type=int, default=2, help="client processes sharing the concurrency (default 2)"
     )
     parser.add_argument("--store", default="", help="store DSN (default: SQLite in the server's data_dir)")
+    parser.add_argument(
+        "--transport",
+        choices=("wire", "grpc"),
+        help="the server's attestation transport (default: the server's default, wire)",
+    )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     parser.add_argument(
         "--transport-agents",
@@ -443,6 +448,8 @@ def main() -> int:
     }
     if args.store:
         config["store"] = args.store
+    if args.transport:
+        config["transport"] = args.transport
     (work / "config.yaml").write_text(json.dumps(config))
     from tests.support.serverproc import ServerProcess
 

@@ -287,6 +287,8 @@ def _nodeserver(work: Path, ek_ca: Path, devid_root: Path, store: str) -> Any:
     }
     if store:
         config["store"] = store
+    if os.environ.get("NODETRUST_BENCH_TRANSPORT"):
+        config["transport"] = os.environ["NODETRUST_BENCH_TRANSPORT"]
     work.mkdir(parents=True, exist_ok=True)
     return ServerProcess(config, work / "config.yaml")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -52,13 +53,33 @@ def serve_noop(data_dir: str, trust_domain: str, challenge: bytes, csr: bytes, q
     )
 
     async def main() -> None:
-        server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(AGENT_SERVICE, {"AttestAgent": handler}),)
-        )
-        port = server.add_secure_port("127.0.0.1:0", server_credentials(svid))
+        import os
+
+        server: Any
+        if os.environ.get("NODETRUST_TRANSPORT", "grpc") == "wire":
+            from server.ca import SERVER_CERT, SERVER_KEY
+            from server.wire.h2 import Limits
+            from server.wire.server import ServerTls, WireServer
+
+            server = WireServer(limits=Limits())
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(AGENT_SERVICE, {"AttestAgent": handler}),)
+            )
+            tls = ServerTls(svid, Path(data_dir) / SERVER_KEY, Path(data_dir) / SERVER_CERT)
+            port = server.add_secure_port("127.0.0.1:0", tls)
+        else:
+            server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler(AGENT_SERVICE, {"AttestAgent": handler}),)
+            )
+            port = server.add_secure_port("127.0.0.1:0", server_credentials(svid))
         await server.start()
         queue.put((port, ca.bundle_pem()))
         await server.wait_for_termination()
 
-    asyncio.run(main())
+    if os.environ.get("NODETRUST_LOOP") == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())

@@ -11,6 +11,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,7 +26,7 @@ from server.attest_service import AgentService
 from server.audit import AuditLog
 from server.boundary import Boundary, register
 from server.bundle_service import BundleService
-from server.ca import CertificateAuthority, ServerSvid
+from server.ca import SERVER_CERT, SERVER_KEY, CertificateAuthority, ServerSvid
 from server.config import ServerConfig
 from server.devid.app import DevidParts
 from server.entry_service import EntryService
@@ -36,6 +37,8 @@ from server.metrics import Metrics
 from server.store import Store
 from server.svid_service import SvidService
 from server.tpm_attestor import EkTrustLike, TpmNodeAttestor
+from server.wire.h2 import Limits
+from server.wire.server import ServerTls, WireServer
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ AGENT_SERVICE = "spire.api.server.agent.v1.Agent"
 MAX_MESSAGE_BYTES = 1024 * 1024
 TRANSPORT_MAX_MESSAGE_BYTES = 4 * MAX_MESSAGE_BYTES
 MAX_CONCURRENT_RPCS = 4096
+IDLE_CONNECTION_S = 60.0
 
 
 def grpc_options(
@@ -58,7 +62,7 @@ def grpc_options(
         ("grpc.so_reuseport", 0),
         ("grpc.enable_channelz", 0),
         # Shed connections that carry no RPC for a minute (an agent makes one or two calls).
-        ("grpc.max_connection_idle_ms", 60_000),
+        ("grpc.max_connection_idle_ms", int(IDLE_CONNECTION_S * 1000)),
         # HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS: one connection cannot hold the server's RPC slots.
         ("grpc.max_concurrent_streams", max_streams_per_connection),
         # A connection that has not finished its TLS handshake by then is closed.
@@ -90,6 +94,11 @@ def server_credentials(svid: ServerSvid, *, client_ca: bytes | None = None) -> g
     return grpc.dynamic_ssl_server_credentials(
         config(), fetch, require_client_authentication=client_ca is not None
     )
+
+
+def server_tls(svid: ServerSvid, data_dir: Path) -> ServerTls:
+    """The wire transport's TLS: the same server SVID, from the files ServerSvid keeps."""
+    return ServerTls(svid, data_dir / SERVER_KEY, data_dir / SERVER_CERT)
 
 
 def open_ek_trust(config: ServerConfig) -> EkTrustLike:
@@ -128,7 +137,7 @@ class ServerApp:
     ports: Ports = field(default_factory=Ports)
 
     def __post_init__(self) -> None:
-        self._servers: list[grpc.aio.Server] = []
+        self._servers: list[grpc.aio.Server | WireServer] = []
         self._metrics_server: Any = None
         self._executor = ThreadPoolExecutor(max_workers=8, thread_name_prefix="nodeserver-io")
         self._owns_store = self.store is None
@@ -181,7 +190,7 @@ class ServerApp:
             max_streams_per_connection=cfg.max_streams_per_connection,
             handshake_timeout_s=cfg.handshake_timeout.total_seconds(),
         )
-        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+        server = self._attest_server(options)
         register(
             server, self.boundary, agent_pb2.DESCRIPTOR.services_by_name["Agent"], agent_service.methods()
         )
@@ -201,7 +210,10 @@ class ServerApp:
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         host, port = cfg.listen
-        bound = server.add_secure_port(f"{_bracket(host)}:{port}", server_credentials(svid))
+        credentials: Any = (
+            server_tls(svid, cfg.data_dir) if isinstance(server, WireServer) else server_credentials(svid)
+        )
+        bound = server.add_secure_port(f"{_bracket(host)}:{port}", credentials)
         if bound == 0:
             raise ConfigError(f"listen: cannot bind {host}:{port} (in use, or not an address of this host)")
         self.ports.attest = bound
@@ -228,6 +240,24 @@ class ServerApp:
             self.max_connections,
             cfg.max_streams_per_connection,
             cfg.peer_max_inflight,
+        )
+
+    def _attest_server(self, options: list[tuple[str, Any]]) -> grpc.aio.Server | WireServer:
+        """The attestation port's server: nodeserver's own transport (server/wire), or grpc.aio."""
+        cfg = self.config
+        if cfg.transport == "grpc":
+            return grpc.aio.server(options=options, maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
+        limits = Limits(
+            max_streams=cfg.max_streams_per_connection,
+            max_message=TRANSPORT_MAX_MESSAGE_BYTES,
+            idle_s=IDLE_CONNECTION_S,
+        )
+        return WireServer(
+            limits=limits,
+            max_connections=self.max_connections,
+            handshake_timeout=cfg.handshake_timeout.total_seconds(),
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+            max_send_message=MAX_MESSAGE_BYTES,
         )
 
     def ready(self) -> tuple[bool, str]:

@@ -30,10 +30,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 from google.protobuf import descriptor as _descriptor
@@ -354,8 +354,14 @@ class _LimitError(ServerError):
     reason = "peer_limit"
 
 
+class HandlerRegistry(Protocol):
+    """A server that takes gRPC method handlers: grpc.aio's, or server.wire's."""
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers: Sequence[grpc.GenericRpcHandler]) -> None: ...
+
+
 def register(
-    server: grpc.aio.Server,
+    server: HandlerRegistry,
     boundary: Boundary,
     service: _descriptor.ServiceDescriptor,
     methods: dict[str, Method],

@@ -26,6 +26,7 @@ from protocol.settings import (
     SettingError,
     Table,
     address,
+    choice,
     duration,
     integer,
     list_of,
@@ -88,6 +89,7 @@ class ServerConfig:
     handshake_timeout: dt.timedelta = dt.timedelta(seconds=10)
     max_connections: int = 0  # 0: derived from the open-file limit at start
     max_streams_per_connection: int = 16
+    transport: str = "wire"  # the attestation port's gRPC transport (server/wire) or "grpc" (grpc.aio)
     peer_max_inflight: int = 64
     attest_rate_per_ip: float = 20.0  # attestations per second per client address; 0: no limit
     attest_burst_per_ip: int = 100
@@ -212,6 +214,12 @@ def _build_table() -> Table:
             ),
             _row(
                 "max_streams_per_connection", integer(1, 1000), "concurrent streams one connection may open"
+            ),
+            _row(
+                "transport",
+                choice("wire", "grpc"),
+                "the attestation port's gRPC transport: wire (nodeserver's own HTTP/2 on the event loop) "
+                "or grpc (gRPC's C core through grpc.aio)",
             ),
             _row("peer_max_inflight", integer(1, 100_000), "requests one client address may have in flight"),
             _row(

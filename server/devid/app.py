@@ -10,11 +10,10 @@ from __future__ import annotations
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-import grpc
 from cryptography import x509
 
 from protocol._gen.nodetrust.devid.v1 import devid_pb2
-from server.boundary import Boundary, register
+from server.boundary import Boundary, HandlerRegistry, register
 from server.config import ServerConfig
 from server.devid.attestor import TpmDevidAttestor
 from server.devid.ca import DevidCa
@@ -64,7 +63,7 @@ class DevidParts:
         )
         return {attestor.name: attestor}
 
-    def register(self, server: grpc.aio.Server, boundary: Boundary) -> None:
+    def register(self, server: HandlerRegistry, boundary: Boundary) -> None:
         if not self.settings.enrol:
             register(server, boundary, devid_pb2.DESCRIPTOR.services_by_name["DevId"], {})
             return

@@ -1,0 +1,762 @@
+"""HTTP/2 server connections carrying gRPC (RFC 9113; header blocks by the ``hpack`` library).
+
+One :class:`Connection` per TLS connection, driven by the event loop's ``data_received``. It
+parses frames, keeps both directions' flow-control windows, splits DATA into gRPC's
+length-prefixed messages and hands each new stream to its :class:`Application` (the gRPC
+dispatcher, :mod:`server.wire.server`). It implements what a gRPC server needs and refuses the
+rest: no server push, no priorities (ignored, as RFC 9113 allows), no compression.
+
+Everything a peer sends is bounded before it is kept (:class:`Limits`): the frame size, the
+header block, the declared message size, the bytes buffered per connection, the streams open at
+once, and the frames that cost the server work without doing any (PING, SETTINGS, reset
+streams, empty DATA, WINDOW_UPDATE, unknown types) between two requests. A peer that breaks
+the protocol or a bound gets a GOAWAY with the RFC's error code and the connection is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import hpack
+from hpack.exceptions import HPACKError
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
+    range(10)
+)
+FLAG_END_STREAM = 0x1
+FLAG_ACK = 0x1
+FLAG_END_HEADERS = 0x4
+FLAG_PADDED = 0x8
+FLAG_PRIORITY = 0x20
+
+NO_ERROR = 0x0
+PROTOCOL_ERROR = 0x1
+INTERNAL_ERROR = 0x2
+FLOW_CONTROL_ERROR = 0x3
+STREAM_CLOSED = 0x5
+FRAME_SIZE_ERROR = 0x6
+REFUSED_STREAM = 0x7
+CANCEL = 0x8
+COMPRESSION_ERROR = 0x9
+ENHANCE_YOUR_CALM = 0xB
+
+S_HEADER_TABLE_SIZE = 0x1
+S_ENABLE_PUSH = 0x2
+S_MAX_CONCURRENT_STREAMS = 0x3
+S_INITIAL_WINDOW_SIZE = 0x4
+S_MAX_FRAME_SIZE = 0x5
+S_MAX_HEADER_LIST_SIZE = 0x6
+
+MAX_WINDOW = 2**31 - 1
+DEFAULT_WINDOW = 65_535
+MAX_FRAME = 16_384  # ours: SETTINGS_MAX_FRAME_SIZE is never raised
+CONNECTION_WINDOW = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one connection may make the server hold (the server's channel arguments map here)."""
+
+    max_streams: int = 16
+    max_header_block: int = 16_384
+    max_message: int = 4 * 1024 * 1024
+    max_buffered: int = 8 * 1024 * 1024
+    idle_s: float = 60.0
+    # PING, SETTINGS, RST_STREAM, WINDOW_UPDATE, PRIORITY, empty DATA and unknown frames allowed
+    # between two new streams; a real client sends a handful.
+    max_idle_frames: int = 1000
+
+
+class ProtocolViolation(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Application(Protocol):
+    def stream_opened(self, conn: Connection, stream: Stream) -> None: ...
+    def connection_closed(self, conn: Connection) -> None: ...
+
+
+def _int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """An HPACK integer (RFC 7541 §5.1) with ``first``'s high bits above the prefix."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes((first | value,))
+    out = bytearray((first | limit,))
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def literal(name: bytes, value: bytes) -> bytes:
+    """A header field as a literal without indexing, new name, no Huffman (RFC 7541 §6.2.2)."""
+    return b"\x00" + _int(len(name), 7) + name + _int(len(value), 7) + value
+
+
+# :status 200 (static index 8) and content-type (static index 31) application/grpc. The server
+# never adds to its dynamic table; the first block of a connection sets its size to 0.
+RESPONSE_HEADERS = b"\x88" + _int(31, 4) + _int(16, 7) + b"application/grpc"
+TABLE_SIZE_ZERO = b"\x20"
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
+
+
+_FIRST_BLOCKS: dict[bytes, list[tuple[bytes, bytes]]] = {}
+_FIRST_BLOCKS_MAX = 256
+_FIRST_BLOCK_BYTES = 1024
+
+
+class _HeaderDecoder:
+    """HPACK decoding (the ``hpack`` library) with the first block of a connection memoised.
+
+    A fleet's agents open one connection each and send the same first header block, which the
+    library decodes from an empty dynamic table: its result depends on the bytes alone, so it is
+    kept (at most 256 blocks of up to 1 KiB). Only when a second block arrives on the
+    connection is the first one decoded for real, to rebuild the table the second refers to.
+    """
+
+    __slots__ = ("_max", "_decoder", "_replay")
+
+    def __init__(self, max_header_list: int) -> None:
+        self._max = max_header_list
+        self._decoder: hpack.Decoder | None = None
+        self._replay: bytes | None = None
+
+    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        if self._decoder is None and self._replay is None:
+            cached = _FIRST_BLOCKS.get(block)
+            if cached is not None:
+                self._replay = block
+                return cached
+        decoder = self._decoder
+        if decoder is None:
+            decoder = self._decoder = hpack.Decoder(max_header_list_size=self._max)
+            if self._replay is not None:
+                decoder.decode(self._replay, raw=True)
+                self._replay = None
+            else:
+                headers = [(bytes(n), bytes(v)) for n, v in decoder.decode(block, raw=True)]
+                if len(block) <= _FIRST_BLOCK_BYTES:
+                    if len(_FIRST_BLOCKS) >= _FIRST_BLOCKS_MAX:
+                        _FIRST_BLOCKS.clear()
+                    _FIRST_BLOCKS[block] = headers
+                return headers
+        return [(bytes(n), bytes(v)) for n, v in decoder.decode(block, raw=True)]
+
+
+class Stream:
+    """One gRPC call: its request headers, the messages received, and what is left to send."""
+
+    __slots__ = (
+        "buf",
+        "closed",
+        "conn",
+        "ended",
+        "headers",
+        "headers_sent",
+        "id",
+        "messages",
+        "on_reset",
+        "owed",
+        "path",
+        "pending",
+        "reset",
+        "send_window",
+        "task",
+        "timeout",
+        "waiter",
+    )
+
+    def __init__(self, conn: Connection, stream_id: int, send_window: int) -> None:
+        self.conn = conn
+        self.id = stream_id
+        self.headers: dict[bytes, bytes] = {}
+        self.path = ""
+        self.timeout: float | None = None
+        self.buf = bytearray()
+        self.messages: deque[bytes] = deque()
+        self.ended = False  # the peer half-closed (END_STREAM)
+        self.reset = False  # the peer reset it, or the connection is gone
+        self.closed = False  # our side finished (trailers sent or reset)
+        self.waiter: asyncio.Future[None] | None = None
+        self.send_window = send_window
+        self.pending: deque[tuple[bytes, bool]] = deque()  # (frame payload, end) waiting for window
+        self.owed = 0  # receive credit not yet given back (an unread message is queued)
+        self.task: asyncio.Task[None] | None = None
+        self.on_reset: Any = None
+        self.headers_sent = False
+
+    def _wake(self) -> None:
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_message(self) -> bytes | None:
+        """The next request message, or None once the peer half-closed."""
+        while True:
+            if self.reset:
+                raise asyncio.CancelledError
+            if self.messages:
+                msg = self.messages.popleft()
+                if not self.messages and self.owed >= DEFAULT_WINDOW // 2:
+                    self.conn._credit_stream(self, self.owed)
+                    self.owed = 0
+                self.conn.buffered -= len(msg)
+                return msg
+            if self.ended:
+                return None
+            self.waiter = self.conn.loop.create_future()
+            await self.waiter
+
+
+class Connection(asyncio.Protocol):
+    """The server side of one HTTP/2 connection (after TLS, with ALPN h2)."""
+
+    def __init__(self, app: Application, limits: Limits, peer: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.app = app
+        self.limits = limits
+        self.peer = peer
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.preface = False
+        self.settings_seen = False
+        self.decoder = _HeaderDecoder(limits.max_header_block)
+        self.streams: dict[int, Stream] = {}
+        self.last_stream = 0
+        self.send_window = DEFAULT_WINDOW
+        self.peer_initial_window = DEFAULT_WINDOW
+        self.peer_max_frame = MAX_FRAME
+        self.recv_unacked = 0
+        self.buffered = 0
+        self.idle_frames = 0
+        self.out: list[bytes] = []
+        self.flush_scheduled = False
+        self.first_block = True
+        self.going_away = False
+        self.closed = False
+        self.lost = False  # connection_lost has run: the transport is gone
+        self.paused = False
+        self.drained: asyncio.Future[None] | None = None
+        self.cont: tuple[Stream | None, int, bytearray, bool] | None = None  # CONTINUATION in progress
+        self.idle_timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol -----------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        ssl_obj = transport.get_extra_info("ssl_object")
+        if ssl_obj is not None and ssl_obj.selected_alpn_protocol() != "h2":
+            log.debug("connection from %s without ALPN h2: closed", self.peer)
+            self.closed = True
+            self.transport.abort()
+            return
+        settings = (
+            S_MAX_CONCURRENT_STREAMS.to_bytes(2, "big") + self.limits.max_streams.to_bytes(4, "big")
+            + S_MAX_HEADER_LIST_SIZE.to_bytes(2, "big") + self.limits.max_header_block.to_bytes(4, "big")
+            + S_ENABLE_PUSH.to_bytes(2, "big") + (0).to_bytes(4, "big")
+        )  # fmt: skip
+        self._queue(frame(SETTINGS, 0, 0, settings))
+        self._queue(frame(WINDOW_UPDATE, 0, 0, (CONNECTION_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big")))
+        self._arm_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.lost = True
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+        for stream in list(self.streams.values()):
+            self._peer_reset(stream)
+        self.streams.clear()
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        self.app.connection_closed(self)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+        self.drained = None
+
+    async def drain(self) -> None:
+        """Wait while the peer does not read what was written (bounded memory for slow readers)."""
+        if self.paused and not self.closed:
+            if self.drained is None:
+                self.drained = self.loop.create_future()
+            await self.drained
+
+    def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        buf = self.buf
+        buf += data
+        try:
+            if not self.preface:
+                if len(buf) < len(PREFACE):
+                    if not PREFACE.startswith(bytes(buf)):
+                        raise ProtocolViolation(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                    return
+                if buf[: len(PREFACE)] != PREFACE:
+                    raise ProtocolViolation(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                del buf[: len(PREFACE)]
+                self.preface = True
+            pos = 0
+            end = len(buf)
+            while end - pos >= 9 and not self.closed:
+                length = int.from_bytes(buf[pos : pos + 3], "big")
+                if length > MAX_FRAME:
+                    raise ProtocolViolation(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                if end - pos < 9 + length:
+                    break
+                kind = buf[pos + 3]
+                flags = buf[pos + 4]
+                sid = int.from_bytes(buf[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+                payload = bytes(buf[pos + 9 : pos + 9 + length])
+                pos += 9 + length
+                self._frame(kind, flags, sid, payload)
+            del buf[:pos]
+            if len(buf) > MAX_FRAME + 9:  # pragma: no cover - a partial frame is never larger
+                raise ProtocolViolation(FRAME_SIZE_ERROR, "oversized partial frame")
+            if self.recv_unacked >= CONNECTION_WINDOW // 4:
+                self._queue(frame(WINDOW_UPDATE, 0, 0, self.recv_unacked.to_bytes(4, "big")))
+                self.recv_unacked = 0
+        except ProtocolViolation as err:
+            self.goaway(err.code, str(err))
+        except HPACKError as err:
+            self.goaway(COMPRESSION_ERROR, f"header block: {type(err).__name__}")
+
+    # -- frames ------------------------------------------------------------------
+    def _frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if self.cont is not None and kind != CONTINUATION:
+            raise ProtocolViolation(PROTOCOL_ERROR, "a frame inside a header block")
+        if not self.settings_seen and kind != SETTINGS:
+            raise ProtocolViolation(PROTOCOL_ERROR, "the first frame is not SETTINGS")
+        if kind == DATA:
+            self._data(flags, sid, payload)
+        elif kind == HEADERS:
+            self._headers(flags, sid, payload)
+        elif kind == CONTINUATION:
+            self._continuation(flags, sid, payload)
+        elif kind == WINDOW_UPDATE:
+            self._window_update(sid, payload)
+        elif kind == SETTINGS:
+            self._settings(flags, sid, payload)
+        elif kind == PING:
+            if sid != 0 or len(payload) != 8:
+                raise ProtocolViolation(PROTOCOL_ERROR if sid else FRAME_SIZE_ERROR, "malformed PING")
+            self._idle_frame()
+            if not flags & FLAG_ACK:
+                self._queue(frame(PING, FLAG_ACK, 0, payload))
+        elif kind == RST_STREAM:
+            if sid == 0 or len(payload) != 4:
+                raise ProtocolViolation(
+                    PROTOCOL_ERROR if not sid else FRAME_SIZE_ERROR, "malformed RST_STREAM"
+                )
+            if sid > self.last_stream:
+                raise ProtocolViolation(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
+            self._idle_frame()
+            stream = self.streams.pop(sid, None)
+            if stream is not None:
+                self._peer_reset(stream)
+                self._stream_gone()
+        elif kind == GOAWAY:
+            self.going_away = True
+            if not self.streams:
+                self.close()
+        elif kind == PRIORITY:
+            if len(payload) != 5:
+                raise ProtocolViolation(FRAME_SIZE_ERROR, "malformed PRIORITY")
+            self._idle_frame()
+        elif kind == PUSH_PROMISE:
+            raise ProtocolViolation(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        else:
+            self._idle_frame()  # unknown frame types are ignored (RFC 9113 §4.1)
+
+    def _idle_frame(self) -> None:
+        self.idle_frames += 1
+        if self.idle_frames > self.limits.max_idle_frames:
+            raise ProtocolViolation(ENHANCE_YOUR_CALM, "too many control frames without a request")
+
+    def _settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid != 0:
+            raise ProtocolViolation(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & FLAG_ACK:
+            if payload:
+                raise ProtocolViolation(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            return
+        if len(payload) % 6:
+            raise ProtocolViolation(FRAME_SIZE_ERROR, "malformed SETTINGS")
+        if self.settings_seen:
+            self._idle_frame()
+        self.settings_seen = True
+        for i in range(0, len(payload), 6):
+            ident = int.from_bytes(payload[i : i + 2], "big")
+            value = int.from_bytes(payload[i + 2 : i + 6], "big")
+            if ident == S_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise ProtocolViolation(FLOW_CONTROL_ERROR, "SETTINGS_INITIAL_WINDOW_SIZE too large")
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for stream in self.streams.values():
+                    stream.send_window += delta
+                    if stream.send_window > MAX_WINDOW:
+                        raise ProtocolViolation(FLOW_CONTROL_ERROR, "a stream window overflowed")
+            elif ident == S_MAX_FRAME_SIZE:
+                if not MAX_FRAME <= value <= 2**24 - 1:
+                    raise ProtocolViolation(PROTOCOL_ERROR, "SETTINGS_MAX_FRAME_SIZE out of range")
+                self.peer_max_frame = value
+            elif ident == S_ENABLE_PUSH and value > 1:
+                raise ProtocolViolation(PROTOCOL_ERROR, "SETTINGS_ENABLE_PUSH out of range")
+            # HEADER_TABLE_SIZE: this side's dynamic table is always 0; MAX_CONCURRENT_STREAMS:
+            # a server opens none; MAX_HEADER_LIST_SIZE: our response headers are a few bytes.
+        self._queue(frame(SETTINGS, FLAG_ACK, 0))
+        self._flush_pending()
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise ProtocolViolation(FRAME_SIZE_ERROR, "malformed WINDOW_UPDATE")
+        inc = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        self._idle_frame()
+        if sid == 0:
+            if inc == 0:
+                raise ProtocolViolation(PROTOCOL_ERROR, "WINDOW_UPDATE of 0")
+            self.send_window += inc
+            if self.send_window > MAX_WINDOW:
+                raise ProtocolViolation(FLOW_CONTROL_ERROR, "the connection window overflowed")
+            self._flush_pending()
+            return
+        if sid > self.last_stream:
+            raise ProtocolViolation(PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream")
+        stream = self.streams.get(sid)
+        if stream is None:
+            return  # a stream closed meanwhile
+        if inc == 0:
+            self._reset(stream, PROTOCOL_ERROR)
+            return
+        stream.send_window += inc
+        if stream.send_window > MAX_WINDOW:
+            self._reset(stream, FLOW_CONTROL_ERROR)
+            return
+        self._flush_stream(stream)
+
+    def _data(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0:
+            raise ProtocolViolation(PROTOCOL_ERROR, "DATA on stream 0")
+        size = len(payload)
+        self.recv_unacked += size
+        if flags & FLAG_PADDED:
+            if not payload or payload[0] >= size:
+                raise ProtocolViolation(PROTOCOL_ERROR, "bad DATA padding")
+            payload = payload[1 : size - payload[0]]
+        stream = self.streams.get(sid)
+        if stream is None or stream.ended:
+            if sid > self.last_stream:
+                raise ProtocolViolation(PROTOCOL_ERROR, "DATA on an idle stream")
+            if stream is not None:
+                self._reset(stream, STREAM_CLOSED)
+            self._idle_frame()
+            return
+        if not payload and not flags & FLAG_END_STREAM:
+            self._idle_frame()
+        if payload:
+            stream.buf += payload
+            self.buffered += len(payload)
+            if self.buffered > self.limits.max_buffered:
+                raise ProtocolViolation(ENHANCE_YOUR_CALM, "too much request data buffered")
+            stream.owed += size
+            self._split(stream)
+            # Give the stream's window back in halves (fewer frames), at once when a message being
+            # received needs more than is left, never while a whole message waits unread.
+            if not stream.messages and (stream.owed >= DEFAULT_WINDOW // 2 or len(stream.buf) >= 5):
+                self._credit_stream(stream, stream.owed)
+                stream.owed = 0
+        if flags & FLAG_END_STREAM:
+            stream.ended = True
+            if stream.buf and not stream.closed:
+                self.app_error(stream, 13, "the request ended inside a message")  # INTERNAL
+        if stream.messages or stream.ended:
+            stream._wake()
+
+    def _split(self, stream: Stream) -> None:
+        buf = stream.buf
+        while len(buf) >= 5:
+            if buf[0] != 0:
+                self.app_error(stream, 13, "compressed message without a grpc-encoding")
+                return
+            n = int.from_bytes(buf[1:5], "big")
+            if n > self.limits.max_message:
+                self.app_error(
+                    stream, 8, f"received message larger than max ({n} vs. {self.limits.max_message})"
+                )  # RESOURCE_EXHAUSTED
+                return
+            if len(buf) < 5 + n:
+                return
+            stream.messages.append(bytes(buf[5 : 5 + n]))
+            del buf[: 5 + n]
+            self.buffered -= 5
+
+    def _credit_stream(self, stream: Stream, size: int) -> None:
+        if size and not stream.ended and not self.closed:
+            self._queue(frame(WINDOW_UPDATE, 0, stream.id, size.to_bytes(4, "big")))
+
+    def _headers(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid == 0 or not sid % 2:
+            raise ProtocolViolation(PROTOCOL_ERROR, "HEADERS on an even or zero stream")
+        size = len(payload)
+        start = 0
+        if flags & FLAG_PADDED:
+            if not payload or payload[0] >= size:
+                raise ProtocolViolation(PROTOCOL_ERROR, "bad HEADERS padding")
+            size -= payload[0]
+            start = 1
+        if flags & FLAG_PRIORITY:
+            start += 5
+        if start > size:
+            raise ProtocolViolation(FRAME_SIZE_ERROR, "HEADERS too short")
+        block = payload[start:size]
+        existing = self.streams.get(sid)
+        if existing is None and sid <= self.last_stream:
+            raise ProtocolViolation(STREAM_CLOSED, "HEADERS on a closed stream")
+        end_stream = bool(flags & FLAG_END_STREAM)
+        if flags & FLAG_END_HEADERS:
+            self._header_block(existing, sid, block, end_stream)
+        else:
+            self.cont = (existing, sid, bytearray(block), end_stream)
+            if len(block) > self.limits.max_header_block:
+                raise ProtocolViolation(ENHANCE_YOUR_CALM, "header block too large")
+
+    def _continuation(self, flags: int, sid: int, payload: bytes) -> None:
+        if self.cont is None or self.cont[1] != sid:
+            raise ProtocolViolation(PROTOCOL_ERROR, "CONTINUATION outside a header block")
+        existing, _, block, end_stream = self.cont
+        block += payload
+        if len(block) > self.limits.max_header_block:
+            raise ProtocolViolation(ENHANCE_YOUR_CALM, "header block too large")
+        if not payload and not flags & FLAG_END_HEADERS:
+            self._idle_frame()
+        if flags & FLAG_END_HEADERS:
+            self.cont = None
+            self._header_block(existing, sid, bytes(block), end_stream)
+
+    def _header_block(self, existing: Stream | None, sid: int, block: bytes, end_stream: bool) -> None:
+        headers = self.decoder.decode(block)  # HPACK state must advance for every block
+        if existing is not None:  # trailers from the client: only allowed as the end of the request
+            if not end_stream:
+                raise ProtocolViolation(PROTOCOL_ERROR, "a second HEADERS without END_STREAM")
+            self._data(FLAG_END_STREAM, sid, b"")
+            return
+        self.last_stream = sid
+        if self.going_away:
+            self._queue(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
+            return
+        if len(self.streams) >= self.limits.max_streams:
+            self._queue(frame(RST_STREAM, 0, sid, REFUSED_STREAM.to_bytes(4, "big")))
+            self._idle_frame()
+            return
+        stream = Stream(self, sid, self.peer_initial_window)
+        fields: dict[bytes, bytes] = {}
+        regular = False
+        for name, value in headers:
+            if name[:1] == b":":
+                if regular or name in fields:
+                    self._queue(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))
+                    return
+            else:
+                regular = True
+                if name.lower() != name:
+                    self._queue(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))
+                    return
+            fields[name] = value
+        path = fields.get(b":path", b"")
+        if fields.get(b":method") != b"POST" or not path.startswith(b"/") or b":scheme" not in fields:
+            self._queue(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))
+            return
+        self.idle_frames = 0
+        stream.headers = fields
+        stream.path = path.decode("ascii", "replace")
+        stream.ended = end_stream
+        self.streams[sid] = stream
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+        self.app.stream_opened(self, stream)
+
+    # -- sending -------------------------------------------------------------------
+    def _queue(self, data: bytes) -> None:
+        self.out.append(data)
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self.flush_scheduled = False
+        if self.out and self.transport is not None and not self.closed:
+            data = b"".join(self.out)
+            self.out.clear()
+            self.transport.write(data)
+        else:
+            self.out.clear()
+
+    def _header_frame(self, stream: Stream, block: bytes, end: bool) -> None:
+        if self.first_block:
+            block = TABLE_SIZE_ZERO + block
+            self.first_block = False
+        # Our blocks are a few hundred bytes at most; split anyway if a peer's frame size is the minimum.
+        step = self.peer_max_frame
+        if len(block) <= step:
+            self._queue(frame(HEADERS, FLAG_END_HEADERS | (FLAG_END_STREAM if end else 0), stream.id, block))
+            return
+        self._queue(frame(HEADERS, FLAG_END_STREAM if end else 0, stream.id, block[:step]))
+        rest = block[step:]
+        while rest:
+            chunk, rest = rest[:step], rest[step:]
+            self._queue(frame(CONTINUATION, 0 if rest else FLAG_END_HEADERS, stream.id, chunk))
+
+    def send_response_headers(self, stream: Stream) -> None:
+        if not stream.headers_sent and not stream.closed:
+            stream.headers_sent = True
+            self._header_frame(stream, RESPONSE_HEADERS, False)
+
+    def send_message(self, stream: Stream, message: bytes) -> None:
+        """One gRPC message (the 5-byte prefix added here), split by the peer's frame size and windows."""
+        if stream.closed:
+            return
+        self.send_response_headers(stream)
+        data = b"\x00" + len(message).to_bytes(4, "big") + message
+        step = self.peer_max_frame
+        for i in range(0, len(data), step):
+            stream.pending.append((data[i : i + step], False))
+        self._flush_stream(stream)
+
+    def send_trailers(self, stream: Stream, block: bytes) -> None:
+        """The call's status (an HPACK block of literals); ends our side, resets a peer still sending."""
+        if stream.closed:
+            return
+        if not stream.headers_sent:  # trailers-only response
+            stream.headers_sent = True
+            block = RESPONSE_HEADERS + block
+        stream.pending.append((block, True))
+        self._flush_stream(stream)
+
+    def _flush_stream(self, stream: Stream) -> None:
+        while stream.pending and not stream.closed:
+            payload, is_trailers = stream.pending[0]
+            if is_trailers:
+                stream.pending.popleft()
+                self._header_frame(stream, payload, True)
+                self._finish(stream)
+                return
+            size = len(payload)
+            if size > stream.send_window or size > self.send_window:
+                return  # resumed by WINDOW_UPDATE
+            stream.pending.popleft()
+            stream.send_window -= size
+            self.send_window -= size
+            self._queue(frame(DATA, 0, stream.id, payload))
+
+    def _flush_pending(self) -> None:
+        for stream in list(self.streams.values()):
+            if stream.pending:
+                self._flush_stream(stream)
+
+    def _finish(self, stream: Stream) -> None:
+        stream.closed = True
+        if not stream.ended:  # RFC 9113 §8.1: a complete response; the rest of the request is unwanted
+            self._queue(frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big")))
+        self._drop(stream)
+
+    def _drop(self, stream: Stream) -> None:
+        if self.streams.pop(stream.id, None) is not None:
+            self.buffered -= len(stream.buf) + sum(len(m) for m in stream.messages)
+            stream.buf.clear()
+            stream.messages.clear()
+            self._stream_gone()
+
+    def _stream_gone(self) -> None:
+        if not self.streams:
+            if self.going_away:
+                self.close()
+            else:
+                self._arm_idle()
+
+    def app_error(self, stream: Stream, code: int, message: str) -> None:
+        """End a call from the transport's side (a bad message): its status, then a reset."""
+        from server.wire.server import trailers  # the gRPC status block
+
+        if stream.closed:
+            return
+        self.send_trailers(stream, trailers(code, message))
+        self._peer_reset(stream)
+
+    def _reset(self, stream: Stream, code: int) -> None:
+        self._queue(frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big")))
+        stream.closed = True
+        self._drop(stream)
+        self._peer_reset(stream)
+
+    def reset_stream(self, stream: Stream, code: int = CANCEL) -> None:
+        if not stream.closed:
+            self._reset(stream, code)
+
+    def _peer_reset(self, stream: Stream) -> None:
+        if stream.reset:
+            return
+        stream.reset = True
+        stream._wake()
+        if stream.on_reset is not None:
+            stream.on_reset()
+
+    # -- lifetime ----------------------------------------------------------------------
+    def _arm_idle(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+        if not self.closed:
+            self.idle_timer = self.loop.call_later(self.limits.idle_s, self._idle)
+
+    def _idle(self) -> None:
+        self.idle_timer = None
+        if not self.streams:
+            self.goaway(NO_ERROR, "idle")
+
+    def goaway(self, code: int, reason: str) -> None:
+        """Say GOAWAY and close: at once for an error, after the open calls for NO_ERROR."""
+        if self.closed:
+            return
+        if code != NO_ERROR:
+            log.info("HTTP/2 connection from %s closed: %s", self.peer, reason[:200])
+        debug = reason.encode()[:64] if code != NO_ERROR else b""
+        self._queue(
+            frame(GOAWAY, 0, 0, self.last_stream.to_bytes(4, "big") + code.to_bytes(4, "big") + debug)
+        )
+        self.going_away = True
+        if code != NO_ERROR or not self.streams:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed or self.transport is None:
+            return
+        self._flush()
+        self.closed = True
+        # The TLS close_notify exchange is bounded by the server's ssl_shutdown_timeout.
+        self.transport.close()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None and not self.lost and not self.transport.is_closing():
+            self.transport.abort()
