@@ -208,17 +208,18 @@ class AgentService:
         # A banned agent proves its identity like any other, then is refused before anything leaves
         # the server: nothing is written and its SVID is dropped unsent.
         with call.committing():
-            stored = self._record_unless_banned(record)
+            stored = self._record_unless_banned(record, result.also_unbanned)
             if stored is None or stored.banned:  # banned before, or between the check and the write
                 raise BannedError("failed to attest: agent is banned")
             call.set(svid_serial=str(svid.serial), svid_expires_at=svid.expires_at)
             call.commit("attested", "attested")
         return svid, result
 
-    def _record_unless_banned(self, record: AgentRecord) -> AgentRecord | None:
-        """None for a banned agent (nothing written), else the stored row."""
+    def _record_unless_banned(self, record: AgentRecord, also: tuple[str, ...] = ()) -> AgentRecord | None:
+        """None for a banned agent, or one whose other identities ``also`` are banned (nothing
+        written), else the stored row."""
         try:
-            banned = self.store.is_banned(record.spiffe_id)
+            banned = any(self.store.is_banned(spiffe_id) for spiffe_id in (record.spiffe_id, *also))
         except ServerError:
             raise
         except Exception as exc:

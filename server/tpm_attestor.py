@@ -90,6 +90,9 @@ class AttestResult:
     can_reattest: bool = True
     ak_public: bytes = b""  # TPMT_PUBLIC of the AK proven to live with the EK (for later quotes)
     ak_qualified_name: bytes = b""  # as the AK's own CertifyCreation names it (a quote's qualifiedSigner)
+    # Other identities of the same machine that must not be banned (tpm_devid: its EK identity),
+    # checked with the agent's own in the store step, off the event loop.
+    also_unbanned: tuple[str, ...] = ()
 
 
 class AkError(AttestationDeniedError):

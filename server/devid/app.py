@@ -58,9 +58,7 @@ class DevidParts:
     def attestors(self) -> dict[str, NodeAttestor]:
         if not self.roots:
             return {}  # no DevID could ever be trusted: the attestor is not offered
-        attestor = TpmDevidAttestor(
-            self.config.trust_domain, self.ek_trust, lambda: self.roots, banned=self.store.is_banned
-        )
+        attestor = TpmDevidAttestor(self.config.trust_domain, self.ek_trust, lambda: self.roots)
         return {attestor.name: attestor}
 
     def register(self, server: HandlerRegistry, boundary: Boundary) -> None:

@@ -47,7 +47,7 @@ from server.devid.chain import (
     selector_values,
     verify_chain,
 )
-from server.errors import AttestationDeniedError, BannedError, InvalidRequestError
+from server.errors import AttestationDeniedError, InvalidRequestError
 from server.tpm_attestor import AttestResult, EkTrustLike, PendingAttestation
 
 
@@ -93,13 +93,11 @@ class TpmDevidAttestor:
         ek_trust: EkTrustLike,
         devid_roots: Callable[[], Sequence[x509.Certificate]],
         *,
-        banned: Callable[[str], bool] | None = None,
         clock: Callable[[], dt.datetime] | None = None,
     ) -> None:
         self.trust_domain = trust_domain
         self.ek_trust = ek_trust
         self.devid_roots = devid_roots
-        self.banned = banned
         self.clock = clock or (lambda: dt.datetime.now(dt.UTC))
 
     def decode(self, payload: bytes) -> DevidEvidence:
@@ -153,8 +151,6 @@ class TpmDevidAttestor:
                 detail=verdict.reason,
             )
         ek_hash = evidence.ek.pub_hash
-        if self.banned is not None and self.banned(str(tpm_agent_id(self.trust_domain, ek_hash))):
-            raise BannedError("failed to attest: this machine's EK identity is banned")
         ev.check_ak(evidence.ak_public)
         ev.check_certification(evidence.ak_public, evidence.devid_public, evidence.certification)
         residency = ev.residency_challenge(evidence.ak_public, evidence.ek_public)
@@ -188,4 +184,6 @@ class TpmDevidAttestor:
             ek_hash=pending.ek_hash,
             selectors=pending.selectors,
             can_reattest=True,
+            # A machine whose EK identity is banned is refused in the store step (AgentService).
+            also_unbanned=(str(tpm_agent_id(self.trust_domain, pending.ek_hash)),),
         )

@@ -129,7 +129,7 @@ class _HeaderDecoder:
     connection is the first one decoded for real, to rebuild the table the second refers to.
     """
 
-    __slots__ = ("_max", "_decoder", "_replay")
+    __slots__ = ("_decoder", "_max", "_replay")
 
     def __init__(self, max_header_list: int) -> None:
         self._max = max_header_list
