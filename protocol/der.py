@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
+from typing import NamedTuple
 
 from protocol.errors import ProtocolError
 
@@ -61,9 +62,12 @@ class DerError(ProtocolError):
     """The bytes are not the DER structure that was expected (truncated, bad length, wrong tag...)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Tlv:
-    """One element: ``data[start:end]`` is the whole TLV, ``data[vstart:end]`` its contents."""
+class Tlv(NamedTuple):
+    """One element: ``data[start:end]`` is the whole TLV, ``data[vstart:end]`` its contents.
+
+    A named tuple, not a frozen dataclass: a certificate has about a hundred elements, and a
+    frozen dataclass's constructor costs several times a tuple's (every EK on every attestation).
+    """
 
     data: bytes
     tag: int
@@ -81,10 +85,7 @@ class Tlv:
 
     @property
     def constructed(self) -> bool:
-        return bool(self._first_octet() & CONSTRUCTED)
-
-    def _first_octet(self) -> int:
-        return self.data[self.start]
+        return bool(self.data[self.start] & CONSTRUCTED)
 
 
 def read_tlv(data: bytes, pos: int, end: int, quirks: set[str]) -> Tlv:
@@ -135,9 +136,17 @@ def children(tlv: Tlv, quirks: set[str]) -> list[Tlv]:
     if not tlv.constructed:
         raise DerError(f"element at offset {tlv.start} is not constructed")
     out: list[Tlv] = []
-    pos = tlv.vstart
-    while pos < tlv.end:
-        child = read_tlv(tlv.data, pos, tlv.end, quirks)
+    data, pos, end = tlv.data, tlv.vstart, tlv.end
+    while pos < end:
+        # The common case inline (low tag number, short length, fits): read_tlv's result exactly.
+        first = data[pos]
+        if first & 0x1F != 0x1F and pos + 1 < end:
+            length = data[pos + 1]
+            if length < 0x80 and pos + 2 + length <= end:
+                out.append(Tlv(data, first, pos, pos + 2, pos + 2 + length))
+                pos += 2 + length
+                continue
+        child = read_tlv(data, pos, end, quirks)
         out.append(child)
         pos = child.end
     return out

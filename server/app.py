@@ -27,6 +27,7 @@ from server.audit import AuditLog
 from server.boundary import Boundary, register
 from server.bundle_service import BundleService
 from server.ca import SERVER_CERT, SERVER_KEY, CertificateAuthority, ServerSvid
+from server.commit import GroupCommit
 from server.config import ServerConfig
 from server.devid.app import DevidParts
 from server.entry_service import EntryService
@@ -149,6 +150,7 @@ class ServerApp:
         self.metrics = Metrics.create()
         self._started = False
         self.max_connections = 0
+        self._group_commit: GroupCommit | None = None
 
     async def start(self) -> None:
         cfg = self.config
@@ -175,6 +177,7 @@ class ServerApp:
             audit=self.audit, metrics=self.metrics, limits=self.limits, max_message_bytes=MAX_MESSAGE_BYTES
         )
         self.devid = DevidParts.open(cfg, self.ek_trust, self.store, self._executor)
+        self._group_commit = GroupCommit(self.store)
         agent_service = AgentService(
             ca=self.ca,
             store=self.store,
@@ -183,7 +186,7 @@ class ServerApp:
             challenge_timeout=cfg.challenge_timeout.total_seconds(),
             first_message_timeout=cfg.first_message_timeout.total_seconds(),
             max_payload_bytes=cfg.max_payload_bytes,
-            executor=self._executor,
+            commit=self._group_commit,
         )
         options = grpc_options(
             max_connections=self.max_connections,
@@ -357,6 +360,9 @@ class ServerApp:
         if self._metrics_server is not None:
             self._metrics_server.stop()
             self._metrics_server = None
+        if self._group_commit is not None:
+            self._group_commit.close()
+            self._group_commit = None
         if self.audit is not None:
             self.audit.close()
         if self.store is not None and self._owns_store:

@@ -11,6 +11,7 @@ that carry security meaning) still raises :class:`~protocol.der.DerError`.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -402,8 +403,13 @@ def parse_name(tlv: Tlv, quirks: set[str]) -> Name:
     return Name(tlv.raw, tuple(key), ",".join(reversed(texts)), tuple(attributes))
 
 
+_NEEDS_ESCAPE = re.compile(r'[,+"\\<>;\x00-\x1f]|^[# ]| $')
+
+
 def _escape(text: str) -> str:
     """RFC 4514 escaping of an attribute value."""
+    if _NEEDS_ESCAPE.search(text) is None:
+        return text
     out = []
     for i, char in enumerate(text):
         if char in ',+"\\<>;' or (i == 0 and char in "# ") or (i == len(text) - 1 and char == " "):

@@ -15,7 +15,7 @@ Rules every implementation keeps:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -98,6 +98,14 @@ class Store(Protocol):
         ``first_attested_at`` is kept from an existing row; ``banned`` is never
         cleared by this call. Returns the stored row.
         """
+        ...
+
+    def record_attestations(
+        self, batch: Sequence[tuple[AgentRecord, Sequence[str]]]
+    ) -> list[AgentRecord | None]:
+        """Record many attestations in one transaction (one fsync): for each ``(record, others)``,
+        None when the record's agent or any of ``others`` is banned (nothing written for it), else
+        the stored row, as :meth:`record_attestation` returns it. All or nothing: an error raises."""
         ...
 
     def get_agent(self, spiffe_id: str) -> AgentRecord | None: ...

@@ -231,6 +231,29 @@ class SqlStore(ABC):
 
         return self._write(work, single=True)
 
+    def record_attestations(
+        self, batch: Sequence[tuple[AgentRecord, Sequence[str]]]
+    ) -> list[AgentRecord | None]:
+        for record, _ in batch:
+            if not record.spiffe_id:
+                raise ValueError("AgentRecord needs a spiffe_id")
+
+        def work(tx: Tx) -> list[AgentRecord | None]:
+            out: list[AgentRecord | None] = []
+            for record, others in batch:
+                ids = (record.spiffe_id, *others)
+                marks = ", ".join(["%s"] * len(ids))
+                if tx.one(f"SELECT 1 FROM agents WHERE banned AND spiffe_id IN ({marks})", ids) is not None:  # noqa: S608 - placeholders only
+                    out.append(None)
+                    continue
+                row = tx.one(_UPSERT_AGENT, schema.agent_params(record))
+                if row is None:
+                    raise StoreError(f"recording the attestation of {record.spiffe_id} returned no row")
+                out.append(schema.agent_from_row(row))
+            return out
+
+        return self._write(work)
+
     def get_agent(self, spiffe_id: str) -> AgentRecord | None:
         row = self._read(lambda tx: tx.one(_AGENT_SELECT + " WHERE spiffe_id = %s", (spiffe_id,)))
         return schema.agent_from_row(row) if row else None

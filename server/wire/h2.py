@@ -602,12 +602,14 @@ class Connection(asyncio.Protocol):
         self.out.append(data)
         if not self.flush_scheduled:
             self.flush_scheduled = True
-            self.loop.call_soon(self._flush)
+            # Two hops: the calls a frame just started (their first step is already scheduled)
+            # add their replies first, and everything leaves in one TLS record and one send.
+            self.loop.call_soon(self.loop.call_soon, self._flush)
 
     def _flush(self) -> None:
         self.flush_scheduled = False
         if self.out and self.transport is not None and not self.closed:
-            data = b"".join(self.out)
+            data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
             self.out.clear()
             self.transport.write(data)
         else:

@@ -297,13 +297,13 @@ def test_a_store_write_and_its_audit_line_agree_when_the_client_cancels(
     """An attestation cancelled after its challenge response was once stored while audited as cancelled."""
     store = srv.app.store
     assert store is not None
-    real = store.record_attestation
+    real = store.record_attestations  # the group commit's write (server/commit.py)
 
-    def slow(record: Any) -> Any:
+    def slow(batch: Any) -> Any:
         time.sleep(0.5)
-        return real(record)
+        return real(batch)
 
-    store.record_attestation = slow  # type: ignore[method-assign]
+    store.record_attestations = slow  # type: ignore[method-assign]
     sim = SimulatedTpm.create(ca)
     before = len(srv.audit_lines())
 
@@ -326,7 +326,7 @@ def test_a_store_write_and_its_audit_line_agree_when_the_client_cancels(
         assert _wait_for(lambda: len(srv.audit_lines()) > before)
         time.sleep(1.0)  # let the write finish
     finally:
-        store.record_attestation = real  # type: ignore[method-assign]
+        store.record_attestations = real  # type: ignore[method-assign]
     lines = srv.audit_lines()[before:]
     assert len(lines) == 1, lines
     stored = store.get_agent(f"spiffe://example.org/spire/agent/tpm/{sim.ek_hash}") is not None

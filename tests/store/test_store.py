@@ -84,6 +84,29 @@ def test_record_attestation_never_clears_a_ban(store: SqlStore) -> None:
     assert stored.last_attested_at == 2_000_000_000
 
 
+def test_record_attestations_writes_a_batch_in_one_transaction_and_skips_the_banned(
+    store: SqlStore, dsn: str
+) -> None:
+    """The group commit's write (server/commit.py): per record None when it or another identity is banned."""
+    c, ek_identity = A.replace("tpm/", "tpm/c"), "spiffe://example.org/spire/agent/tpm/" + "e" * 64
+    store.record_attestation(agent(A, at=100))
+    assert store.ban_agent(B) is True
+    assert store.ban_agent(ek_identity) is True
+    rows = store.record_attestations(
+        [(agent(A, at=200, svid_serial="9"), ()), (agent(B, at=200), ()), (agent(c, at=200), (ek_identity,))]
+    )
+    assert rows[0] is not None and rows[0].first_attested_at == 100 and rows[0].svid_serial == "9"
+    assert rows[1] is None and rows[2] is None
+    placeholder = store.get_agent(B)
+    assert placeholder is not None and placeholder.last_attested_at == 0  # nothing written for it
+    assert store.get_agent(c) is None
+    assert store.record_attestations([]) == []
+    with pytest.raises(ValueError, match="spiffe_id"):
+        store.record_attestations([(agent(A), ()), (agent(""), ())])
+    assert store.get_agent(A) is not None and store.get_agent(A).svid_serial == "9"  # type: ignore[union-attr]
+    assert integrity_problems(dsn) == []
+
+
 def test_ban_of_an_unknown_agent_leaves_a_banned_placeholder(store: SqlStore, dsn: str) -> None:
     assert store.is_banned(B) is False
     assert store.ban_agent(B) is True
