@@ -360,7 +360,10 @@ def transport_floor(agents: list[Prepared], args: argparse.Namespace, data_dir: 
     decode_attestation_data(sample.payload)  # the cached agents are well-formed
     data_dir.mkdir(parents=True, exist_ok=True)
     queue: Any = mp.Queue()
-    proc = mp.Process(target=serve_noop, args=(str(data_dir), TRUST_DOMAIN, challenge, sample.csr, queue))
+    proc = mp.Process(
+        target=serve_noop,
+        args=(str(data_dir), TRUST_DOMAIN, challenge, sample.csr, queue, args.transport or "wire"),
+    )
     proc.start()
     try:
         port, bundle = queue.get(timeout=60)

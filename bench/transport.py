@@ -1,10 +1,11 @@
 """The transport floor: what gRPC and TLS alone cost the server for one attestation's exchange.
 
-A second server process runs the same stack as ``nodeserver run`` (grpc.aio, the
-same channel arguments, the same dynamic TLS credentials with a server SVID from
-a fresh CA) with an AttestAgent handler that does no work: it reads the params,
-answers with a challenge of the real size, reads the response and answers with a
-result carrying a chain of the real size. The benchmark's clients drive it the
+A second server process runs the same stack as ``nodeserver run`` (the wire
+transport, or with ``--transport grpc`` grpc.aio with the same channel arguments
+and dynamic TLS credentials; a server SVID from a fresh CA) with an AttestAgent
+handler that does no work: it reads the params, answers with a challenge of the
+real size, reads the response and answers with a result carrying a chain of the
+real size. The benchmark's clients drive it the
 same way as the real server (one TLS connection per agent, four messages), so
 its CPU per exchange is what the transport costs before any attestation logic.
 """
@@ -13,13 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 
-def serve_noop(data_dir: str, trust_domain: str, challenge: bytes, csr: bytes, queue: Any) -> None:
+def serve_noop(  # noqa: PLR0917 - a multiprocessing target takes positional arguments
+    data_dir: str, trust_domain: str, challenge: bytes, csr: bytes, queue: Any, transport: str = "wire"
+) -> None:
     """Process target: serve the no-op AttestAgent; put ``(port, bundle PEM)`` on ``queue``; run until killed.
 
     ``challenge`` is a real challenge's bytes; the result carries an SVID issued once for ``csr``.
@@ -28,8 +30,18 @@ def serve_noop(data_dir: str, trust_domain: str, challenge: bytes, csr: bytes, q
 
     from protocol._gen.spire.api.server.agent.v1 import agent_pb2
     from protocol.spiffe import SpiffeId
-    from server.app import AGENT_SERVICE, MAX_CONCURRENT_RPCS, grpc_options, server_credentials
+    from server.app import (
+        AGENT_SERVICE,
+        MAX_CONCURRENT_RPCS,
+        MAX_MESSAGE_BYTES,
+        TRANSPORT_MAX_MESSAGE_BYTES,
+        grpc_options,
+        server_credentials,
+        server_tls,
+    )
     from server.ca import CertificateAuthority, ServerSvid
+    from server.wire.h2 import Limits
+    from server.wire.server import WireServer
 
     ca = CertificateAuthority.load_or_create(Path(data_dir), trust_domain, ca_ttl=dt.timedelta(days=1))
     svid = ServerSvid(ca, Path(data_dir), dt.timedelta(hours=1), ())
@@ -53,20 +65,17 @@ def serve_noop(data_dir: str, trust_domain: str, challenge: bytes, csr: bytes, q
     )
 
     async def main() -> None:
-        import os
-
         server: Any
-        if os.environ.get("NODETRUST_TRANSPORT", "grpc") == "wire":
-            from server.ca import SERVER_CERT, SERVER_KEY
-            from server.wire.h2 import Limits
-            from server.wire.server import ServerTls, WireServer
-
-            server = WireServer(limits=Limits())
+        if transport == "wire":
+            server = WireServer(
+                limits=Limits(max_message=TRANSPORT_MAX_MESSAGE_BYTES),
+                maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+                max_send_message=MAX_MESSAGE_BYTES,
+            )
             server.add_generic_rpc_handlers(
                 (grpc.method_handlers_generic_handler(AGENT_SERVICE, {"AttestAgent": handler}),)
             )
-            tls = ServerTls(svid, Path(data_dir) / SERVER_KEY, Path(data_dir) / SERVER_CERT)
-            port = server.add_secure_port("127.0.0.1:0", tls)
+            port = server.add_secure_port("127.0.0.1:0", server_tls(svid, Path(data_dir)))
         else:
             server = grpc.aio.server(options=grpc_options(), maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
             server.add_generic_rpc_handlers(
@@ -77,9 +86,4 @@ def serve_noop(data_dir: str, trust_domain: str, challenge: bytes, csr: bytes, q
         queue.put((port, ca.bundle_pem()))
         await server.wait_for_termination()
 
-    if os.environ.get("NODETRUST_LOOP") == "uvloop":
-        import uvloop
-
-        uvloop.run(main())
-    else:
-        asyncio.run(main())
+    asyncio.run(main())

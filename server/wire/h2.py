@@ -16,8 +16,12 @@ the protocol or a bound gets a GOAWAY with the RFC's error code and the connecti
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
 import logging
+import ssl
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -59,6 +63,7 @@ MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65_535
 MAX_FRAME = 16_384  # ours: SETTINGS_MAX_FRAME_SIZE is never raised
 CONNECTION_WINDOW = 1 << 20
+CLOSE_TIMEOUT_S = 5.0  # after close, what the peer has not read is dropped
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,7 @@ class ProtocolViolation(Exception):
 
 
 class Application(Protocol):
+    def admit(self, conn: Connection) -> bool: ...
     def stream_opened(self, conn: Connection, stream: Stream) -> None: ...
     def connection_closed(self, conn: Connection) -> None: ...
 
@@ -111,11 +117,40 @@ RESPONSE_HEADERS = b"\x88" + _int(31, 4) + _int(16, 7) + b"application/grpc"
 TABLE_SIZE_ZERO = b"\x20"
 
 
+_MESSAGE_SAFE = frozenset(range(0x20, 0x7F)) - {ord("%")}
+
+
+def _percent(message: str) -> bytes:
+    """grpc-message's percent-encoding of UTF-8 (gRPC over HTTP/2)."""
+    raw = message.encode("utf-8", "replace")
+    if all(b in _MESSAGE_SAFE for b in raw):
+        return raw
+    return b"".join(bytes((b,)) if b in _MESSAGE_SAFE else b"%%%02X" % b for b in raw)
+
+
+def trailers(code: int, message: str = "", metadata: Sequence[tuple[str, Any]] = ()) -> bytes:
+    """The HPACK block of a call's status: grpc-status, grpc-message and any trailing metadata."""
+    block = literal(b"grpc-status", b"%d" % code)
+    if message:
+        block += literal(b"grpc-message", _percent(message[:1024]))
+    for key, value in metadata:
+        name = key.lower().encode("ascii")
+        if name.endswith(b"-bin"):
+            raw = value if isinstance(value, bytes) else str(value).encode()
+            block += literal(name, base64.b64encode(raw).rstrip(b"="))
+        else:
+            block += literal(name, value if isinstance(value, bytes) else str(value).encode())
+    return block
+
+
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
 
 
-_FIRST_BLOCKS: dict[bytes, list[tuple[bytes, bytes]]] = {}
+_CONNECTION_SPECIFIC = frozenset(
+    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade")
+)
+_FIRST_BLOCKS: dict[tuple[int, bytes], list[tuple[bytes, bytes]]] = {}
 _FIRST_BLOCKS_MAX = 256
 _FIRST_BLOCK_BYTES = 1024
 
@@ -138,7 +173,7 @@ class _HeaderDecoder:
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
         if self._decoder is None and self._replay is None:
-            cached = _FIRST_BLOCKS.get(block)
+            cached = _FIRST_BLOCKS.get((self._max, block))
             if cached is not None:
                 self._replay = block
                 return cached
@@ -153,7 +188,7 @@ class _HeaderDecoder:
                 if len(block) <= _FIRST_BLOCK_BYTES:
                     if len(_FIRST_BLOCKS) >= _FIRST_BLOCKS_MAX:
                         _FIRST_BLOCKS.clear()
-                    _FIRST_BLOCKS[block] = headers
+                    _FIRST_BLOCKS[(self._max, block)] = headers
                 return headers
         return [(bytes(n), bytes(v)) for n, v in decoder.decode(block, raw=True)]
 
@@ -178,6 +213,7 @@ class Stream:
         "send_window",
         "task",
         "timeout",
+        "timer",
         "waiter",
     )
 
@@ -199,6 +235,7 @@ class Stream:
         self.task: asyncio.Task[None] | None = None
         self.on_reset: Any = None
         self.headers_sent = False
+        self.timer: asyncio.TimerHandle | None = None  # the call's deadline
 
     def _wake(self) -> None:
         waiter, self.waiter = self.waiter, None
@@ -224,10 +261,30 @@ class Stream:
 
 
 class Connection(asyncio.Protocol):
-    """The server side of one HTTP/2 connection (after TLS, with ALPN h2)."""
+    """The server side of one HTTP/2 connection, and its TLS (OpenSSL on memory buffers, ALPN h2).
 
-    def __init__(self, app: Application, limits: Limits, peer: str, loop: asyncio.AbstractEventLoop) -> None:
+    TLS runs here rather than in asyncio's SSL transport, which keeps a 256 KiB read buffer per
+    connection (125 MiB at 500 connections) and adds a layer of calls to every read and write.
+    """
+
+    def __init__(
+        self,
+        app: Application,
+        limits: Limits,
+        peer: str,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        tls: ssl.SSLContext | None = None,
+        handshake_timeout: float = 10.0,
+    ) -> None:
         self.app = app
+        self.tls = tls
+        self.handshake_timeout = handshake_timeout
+        self.sslobj: ssl.SSLObject | None = None
+        self.tls_in = ssl.MemoryBIO()
+        self.tls_out = ssl.MemoryBIO()
+        self.handshaking = tls is not None
+        self.handshake_timer: asyncio.TimerHandle | None = None
         self.limits = limits
         self.peer = peer
         self.loop = loop
@@ -257,13 +314,77 @@ class Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol -----------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
-        ssl_obj = transport.get_extra_info("ssl_object")
-        if ssl_obj is not None and ssl_obj.selected_alpn_protocol() != "h2":
-            log.debug("connection from %s without ALPN h2: closed", self.peer)
+        self.transport = cast(asyncio.Transport, transport)
+        if self.app.admit(self) is False:  # over the connection cap: closed before any TLS byte
             self.closed = True
             self.transport.abort()
             return
+        if self.tls is not None:
+            self.sslobj = self.tls.wrap_bio(self.tls_in, self.tls_out, server_side=True)
+            self.handshake_timer = self.loop.call_later(self.handshake_timeout, self._handshake_expired)
+            return
+        self._start()
+
+    # -- TLS (OpenSSL through ssl.MemoryBIO: one small buffer per connection) ----------------
+    def _handshake_expired(self) -> None:
+        self.handshake_timer = None
+        if self.handshaking:
+            log.debug("TLS handshake with %s did not finish in time", self.peer)
+            self.abort()
+
+    def _tls_received(self, data: bytes) -> None:
+        sslobj = self.sslobj
+        assert sslobj is not None  # noqa: S101 - set in connection_made
+        self.tls_in.write(data)
+        if self.handshaking:
+            try:
+                sslobj.do_handshake()
+            except ssl.SSLWantReadError:
+                self._tls_send()
+                return
+            except (ssl.SSLError, OSError) as exc:
+                log.debug("TLS handshake with %s failed: %s", self.peer, exc)
+                self._tls_send()
+                self.abort()
+                return
+            self.handshaking = False
+            if self.handshake_timer is not None:
+                self.handshake_timer.cancel()
+                self.handshake_timer = None
+            self._tls_send()
+            if sslobj.selected_alpn_protocol() != "h2":
+                log.debug("connection from %s without ALPN h2: closed", self.peer)
+                self.abort()
+                return
+            self._start()
+        chunks: list[bytes] = []
+        while True:
+            try:
+                chunk = sslobj.read(65536)
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:  # close_notify: what came before it still counts
+                if chunks:
+                    self._h2_received(b"".join(chunks))
+                self.close()
+                return
+            except (ssl.SSLError, OSError) as exc:
+                log.debug("TLS error from %s: %s", self.peer, exc)
+                self.abort()
+                return
+            if not chunk:
+                break
+            chunks.append(chunk)
+        if self.tls_out.pending:
+            self._tls_send()  # post-handshake messages (key updates)
+        if chunks:
+            self._h2_received(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+    def _tls_send(self) -> None:
+        if self.tls_out.pending and self.transport is not None and not self.lost:
+            self.transport.write(self.tls_out.read())
+
+    def _start(self) -> None:
         settings = (
             S_MAX_CONCURRENT_STREAMS.to_bytes(2, "big") + self.limits.max_streams.to_bytes(4, "big")
             + S_MAX_HEADER_LIST_SIZE.to_bytes(2, "big") + self.limits.max_header_block.to_bytes(4, "big")
@@ -278,6 +399,8 @@ class Connection(asyncio.Protocol):
         self.lost = True
         if self.idle_timer is not None:
             self.idle_timer.cancel()
+        if self.handshake_timer is not None:
+            self.handshake_timer.cancel()
         for stream in list(self.streams.values()):
             self._peer_reset(stream)
         self.streams.clear()
@@ -302,6 +425,14 @@ class Connection(asyncio.Protocol):
             await self.drained
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:
+            return
+        if self.sslobj is not None:
+            self._tls_received(data)
+        else:
+            self._h2_received(data)
+
+    def _h2_received(self, data: bytes) -> None:
         if self.closed:
             return
         buf = self.buf
@@ -371,10 +502,11 @@ class Connection(asyncio.Protocol):
             if sid > self.last_stream:
                 raise ProtocolViolation(PROTOCOL_ERROR, "RST_STREAM on an idle stream")
             self._idle_frame()
-            stream = self.streams.pop(sid, None)
+            stream = self.streams.get(sid)
             if stream is not None:
+                stream.closed = True
+                self._drop(stream)  # its buffered bytes are given back
                 self._peer_reset(stream)
-                self._stream_gone()
         elif kind == GOAWAY:
             self.going_away = True
             if not self.streams:
@@ -399,6 +531,7 @@ class Connection(asyncio.Protocol):
         if flags & FLAG_ACK:
             if payload:
                 raise ProtocolViolation(FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
+            self._idle_frame()
             return
         if len(payload) % 6:
             raise ProtocolViolation(FRAME_SIZE_ERROR, "malformed SETTINGS")
@@ -579,7 +712,11 @@ class Connection(asyncio.Protocol):
                     return
             else:
                 regular = True
-                if name.lower() != name:
+                if (
+                    name.lower() != name
+                    or name in _CONNECTION_SPECIFIC
+                    or (name == b"te" and value != b"trailers")
+                ):  # RFC 9113 §8.2.2: malformed
                     self._queue(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))
                     return
             fields[name] = value
@@ -587,7 +724,6 @@ class Connection(asyncio.Protocol):
         if fields.get(b":method") != b"POST" or not path.startswith(b"/") or b":scheme" not in fields:
             self._queue(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))
             return
-        self.idle_frames = 0
         stream.headers = fields
         stream.path = path.decode("ascii", "replace")
         stream.ended = end_stream
@@ -611,7 +747,16 @@ class Connection(asyncio.Protocol):
         if self.out and self.transport is not None and not self.closed:
             data = self.out[0] if len(self.out) == 1 else b"".join(self.out)
             self.out.clear()
-            self.transport.write(data)
+            if self.sslobj is None:
+                self.transport.write(data)
+                return
+            try:
+                self.sslobj.write(data)
+            except (ssl.SSLError, OSError) as exc:
+                log.debug("TLS error to %s: %s", self.peer, exc)
+                self.abort()
+                return
+            self._tls_send()
         else:
             self.out.clear()
 
@@ -646,15 +791,19 @@ class Connection(asyncio.Protocol):
             stream.pending.append((data[i : i + step], False))
         self._flush_stream(stream)
 
-    def send_trailers(self, stream: Stream, block: bytes) -> None:
-        """The call's status (an HPACK block of literals); ends our side, resets a peer still sending."""
+    def send_trailers(self, stream: Stream, block: bytes) -> bool:
+        """The call's status (an HPACK block of literals); ends our side, resets a peer still sending.
+
+        True when the trailers left now; False while data before them waits for the peer's window.
+        """
         if stream.closed:
-            return
+            return True
         if not stream.headers_sent:  # trailers-only response
             stream.headers_sent = True
             block = RESPONSE_HEADERS + block
         stream.pending.append((block, True))
         self._flush_stream(stream)
+        return stream.closed
 
     def _flush_stream(self, stream: Stream) -> None:
         while stream.pending and not stream.closed:
@@ -665,9 +814,14 @@ class Connection(asyncio.Protocol):
                 self._finish(stream)
                 return
             size = len(payload)
-            if size > stream.send_window or size > self.send_window:
+            room = min(stream.send_window, self.send_window)
+            if room <= 0:
                 return  # resumed by WINDOW_UPDATE
-            stream.pending.popleft()
+            if size > room:  # a peer with a small window gets what fits now, the rest on its update
+                stream.pending[0] = (payload[room:], False)
+                payload, size = payload[:room], room
+            else:
+                stream.pending.popleft()
             stream.send_window -= size
             self.send_window -= size
             self._queue(frame(DATA, 0, stream.id, payload))
@@ -679,11 +833,17 @@ class Connection(asyncio.Protocol):
 
     def _finish(self, stream: Stream) -> None:
         stream.closed = True
+        # The control-frame budget renews with each call answered, not each stream opened: a
+        # stream opened and reset at once (rapid reset) spends it.
+        self.idle_frames = 0
         if not stream.ended:  # RFC 9113 §8.1: a complete response; the rest of the request is unwanted
             self._queue(frame(RST_STREAM, 0, stream.id, NO_ERROR.to_bytes(4, "big")))
         self._drop(stream)
 
     def _drop(self, stream: Stream) -> None:
+        if stream.timer is not None:
+            stream.timer.cancel()
+            stream.timer = None
         if self.streams.pop(stream.id, None) is not None:
             self.buffered -= len(stream.buf) + sum(len(m) for m in stream.messages)
             stream.buf.clear()
@@ -698,13 +858,14 @@ class Connection(asyncio.Protocol):
                 self._arm_idle()
 
     def app_error(self, stream: Stream, code: int, message: str) -> None:
-        """End a call from the transport's side (a bad message): its status, then a reset."""
-        from server.wire.server import trailers  # the gRPC status block
-
+        """End a call from the transport's side (a bad message, its deadline): its status, and its
+        handler cancelled. Trailers held back by the peer's window become a reset instead."""
         if stream.closed:
             return
-        self.send_trailers(stream, trailers(code, message))
-        self._peer_reset(stream)
+        if self.send_trailers(stream, trailers(code, message)):
+            self._peer_reset(stream)
+        else:
+            self._reset(stream, CANCEL)
 
     def _reset(self, stream: Stream, code: int) -> None:
         self._queue(frame(RST_STREAM, 0, stream.id, code.to_bytes(4, "big")))
@@ -720,6 +881,7 @@ class Connection(asyncio.Protocol):
         if stream.reset:
             return
         stream.reset = True
+        stream.closed = True  # nothing more may be sent on it (RFC 9113 §5.1)
         stream._wake()
         if stream.on_reset is not None:
             stream.on_reset()
@@ -751,14 +913,29 @@ class Connection(asyncio.Protocol):
             self.close()
 
     def close(self) -> None:
+        """Send what is queued and TLS close_notify, then close (no wait for the peer's)."""
         if self.closed or self.transport is None:
             return
         self._flush()
         self.closed = True
-        # The TLS close_notify exchange is bounded by the server's ssl_shutdown_timeout.
-        self.transport.close()
+        if self.sslobj is not None and not self.handshaking:
+            with contextlib.suppress(ssl.SSLError, OSError):
+                self.sslobj.unwrap()
+            self._tls_send()
+        if self.transport.can_write_eof():
+            # Lingering close: the peer's unread bytes would make the kernel answer with a reset
+            # that can destroy the GOAWAY before the peer reads it. Half-close, read and discard
+            # until the peer closes, for at most CLOSE_TIMEOUT_S.
+            self.transport.write_eof()
+        else:  # pragma: no cover - TCP transports can
+            self.transport.close()
+        # A peer that does not read what is left, or never closes, must not hold the socket.
+        self.loop.call_later(CLOSE_TIMEOUT_S, self.abort)
+
+    def eof_received(self) -> bool | None:
+        return None  # the peer closed its side: close ours
 
     def abort(self) -> None:
         self.closed = True
-        if self.transport is not None and not self.lost and not self.transport.is_closing():
+        if self.transport is not None and not self.lost:
             self.transport.abort()

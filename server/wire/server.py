@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import logging
 import socket
 import ssl
@@ -28,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from server.wire.h2 import Connection, Limits, Stream, literal
+from server.wire.h2 import Connection, Limits, Stream, trailers
 
 log = logging.getLogger(__name__)
 
@@ -41,31 +42,7 @@ OK, CANCELLED, UNKNOWN, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED, IN
     12,
     13,
 )
-SHUTDOWN_TIMEOUT_S = 5.0  # a peer that never answers TLS close_notify is dropped after this
 _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
-_MESSAGE_SAFE = frozenset(range(0x20, 0x7F)) - {ord("%")}
-
-
-def _percent(message: str) -> bytes:
-    raw = message.encode("utf-8", "replace")
-    if all(b in _MESSAGE_SAFE for b in raw):
-        return raw
-    return b"".join(bytes((b,)) if b in _MESSAGE_SAFE else b"%%%02X" % b for b in raw)
-
-
-def trailers(code: int, message: str = "", metadata: Sequence[tuple[str, Any]] = ()) -> bytes:
-    """The HPACK block of a call's status: grpc-status, grpc-message and any trailing metadata."""
-    block = literal(b"grpc-status", b"%d" % code)
-    if message:
-        block += literal(b"grpc-message", _percent(message[:1024]))
-    for key, value in metadata:
-        name = key.lower().encode("ascii")
-        if name.endswith(b"-bin"):
-            raw = value if isinstance(value, bytes) else str(value).encode()
-            block += literal(name, base64.b64encode(raw).rstrip(b"="))
-        else:
-            block += literal(name, value if isinstance(value, bytes) else str(value).encode())
-    return block
 
 
 def parse_timeout(value: bytes) -> float | None:
@@ -129,7 +106,7 @@ class _Requests:
 class WireContext:
     """The servicer context of one call on a :class:`WireServer`."""
 
-    __slots__ = ("_code", "_conn", "_deadline", "_details", "_handler", "_stream", "_timer", "_trailing")
+    __slots__ = ("_code", "_conn", "_deadline", "_details", "_handler", "_stream", "_trailing")
 
     def __init__(self, conn: Connection, stream: Stream, handler: Any) -> None:
         self._conn = conn
@@ -139,7 +116,6 @@ class WireContext:
         self._details = ""
         self._trailing: Sequence[tuple[str, Any]] = ()
         self._deadline: float | None = None
-        self._timer: asyncio.TimerHandle | None = None
 
     def peer(self) -> str:
         return self._conn.peer
@@ -218,10 +194,9 @@ class WireServer:
         self._generic: list[Any] = []
         self._methods: dict[str, Any] = {}
         self._listeners: list[tuple[socket.socket, ServerTls]] = []
-        self._accepting: list[asyncio.Task[None]] = []
+        self._servers: list[asyncio.AbstractServer] = []
         self._connections: set[Connection] = set()
         self._tasks: set[asyncio.Task[None]] = set()  # handshakes and calls: kept until done
-        self._pending = 0  # accepted, handshake not finished
         self._active = 0
         self._stopped: asyncio.Event | None = None
 
@@ -247,6 +222,8 @@ class WireServer:
         """Bind ``host:port`` (``[v6]:port``) now; the port bound, or 0 when it cannot be bound."""
         host, _, port_text = address.rpartition(":")
         host = host.strip("[]")
+        if not port_text.isdigit() or int(port_text) > 65535:
+            return 0
         try:
             infos = socket.getaddrinfo(
                 host or None, int(port_text), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -275,24 +252,10 @@ class WireServer:
 
     async def start(self) -> None:
         self._stopped = asyncio.Event()
-        for sock, tls in self._listeners:
-            self._accepting.append(asyncio.create_task(self._accept(sock, tls)))
-
-    async def _accept(self, listener: socket.socket, tls: ServerTls) -> None:
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, addr = await loop.sock_accept(listener)
-            except OSError as exc:  # EMFILE and the like: wait, do not spin
-                log.warning("cannot accept a connection: %s", exc.strerror)
-                await asyncio.sleep(0.1)
-                continue
-            if self.max_connections and len(self._connections) + self._pending >= self.max_connections:
-                sock.close()  # over the cap: refused before the handshake
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._pending += 1
-            self._spawn(loop, self._connect(loop, sock, addr, tls))
+        for sock, tls in self._listeners:
+            factory = functools.partial(self._connection, loop, tls)
+            self._servers.append(await loop.create_server(factory, sock=sock, backlog=1024))
 
     def _spawn(self, loop: asyncio.AbstractEventLoop, coro: Any) -> asyncio.Task[None]:
         task = loop.create_task(coro)
@@ -300,31 +263,25 @@ class WireServer:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _connect(
-        self, loop: asyncio.AbstractEventLoop, sock: socket.socket, addr: Any, tls: ServerTls
-    ) -> None:
-        peer = (
-            f"ipv6:[{addr[0]}]:{addr[1]}" if sock.family == socket.AF_INET6 else f"ipv4:{addr[0]}:{addr[1]}"
+    def _connection(self, loop: asyncio.AbstractEventLoop, tls: ServerTls) -> Connection:
+        return Connection(
+            self, self.limits, "", loop, tls=tls.context(), handshake_timeout=self.handshake_timeout
         )
-        conn = Connection(self, self.limits, peer, loop)
-        try:
-            await loop.connect_accepted_socket(
-                lambda: conn,
-                sock,
-                ssl=tls.context(),
-                ssl_handshake_timeout=self.handshake_timeout,
-                ssl_shutdown_timeout=SHUTDOWN_TIMEOUT_S,
-            )
-        except (TimeoutError, OSError, ssl.SSLError, ConnectionError) as exc:
-            log.debug("TLS handshake with %s failed: %s", peer, exc)
-            sock.close()
-            return
-        finally:
-            self._pending -= 1
-        if not conn.closed:
-            self._connections.add(conn)
 
     # -- Application (server.wire.h2) ---------------------------------------------------
+    def admit(self, conn: Connection) -> bool:
+        """A new TCP connection, before TLS: within the cap, or refused."""
+        if self.max_connections and len(self._connections) >= self.max_connections:
+            return False
+        assert conn.transport is not None  # noqa: S101 - connection_made sets it
+        addr = conn.transport.get_extra_info("peername")
+        sock = conn.transport.get_extra_info("socket")
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            v6 = sock is not None and sock.family == socket.AF_INET6
+            conn.peer = f"ipv6:[{addr[0]}]:{addr[1]}" if v6 else f"ipv4:{addr[0]}:{addr[1]}"
+        self._connections.add(conn)
+        return True
+
     def connection_closed(self, conn: Connection) -> None:
         self._connections.discard(conn)
 
@@ -335,7 +292,12 @@ class WireServer:
             return
         encoding = headers.get(b"grpc-encoding")
         if encoding is not None and encoding != b"identity":
-            conn.send_trailers(stream, trailers(UNIMPLEMENTED, "compressed requests are not accepted"))
+            refusal = trailers(
+                UNIMPLEMENTED,
+                "compressed requests are not accepted",
+                (("grpc-accept-encoding", "identity"),),
+            )
+            conn.send_trailers(stream, refusal)
             return
         handler = self._lookup(stream.path)
         if handler is None:
@@ -345,7 +307,9 @@ class WireServer:
             conn.send_trailers(stream, trailers(RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!"))
             return
         context = WireContext(conn, stream, handler)
+        self._active += 1  # counted now: calls that arrive in one read are all held to the cap
         task = self._spawn(conn.loop, self._run(conn, stream, handler, context))
+        task.add_done_callback(self._call_done)
         stream.task = task
         stream.on_reset = task.cancel
         raw_timeout = headers.get(b"grpc-timeout")
@@ -353,15 +317,18 @@ class WireServer:
             timeout = parse_timeout(raw_timeout)
             if timeout is not None:
                 context._deadline = time.monotonic() + timeout
-                context._timer = conn.loop.call_later(timeout, self._expire, conn, stream)
+                # Kept until the stream is gone, not until the handler returns: an answer held back
+                # by the peer's window must not outlive the deadline either.
+                stream.timer = conn.loop.call_later(timeout, self._expire, conn, stream)
+
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self._active -= 1
 
     def _expire(self, conn: Connection, stream: Stream) -> None:
-        if not stream.closed:
-            conn.send_trailers(stream, trailers(DEADLINE_EXCEEDED, "Deadline Exceeded"))
-            conn.reset_stream(stream)
+        """The call's deadline passed: its status, then the handler is cancelled."""
+        conn.app_error(stream, DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     async def _run(self, conn: Connection, stream: Stream, handler: Any, context: WireContext) -> None:
-        self._active += 1
         code, details = OK, ""
         try:
             if handler.request_streaming:
@@ -401,10 +368,6 @@ class WireServer:
         except Exception:
             log.exception("unexpected error in %s from %s", stream.path, conn.peer)
             code, details = UNKNOWN, "Unexpected error"
-        finally:
-            self._active -= 1
-            if context._timer is not None:
-                context._timer.cancel()
         conn.send_trailers(stream, trailers(code, details, context._trailing))
 
     def _send(self, conn: Connection, stream: Stream, handler: Any, response: Any) -> None:
@@ -422,18 +385,20 @@ class WireServer:
 
     # -- lifetime -----------------------------------------------------------------------
     async def stop(self, grace: float | None) -> None:
-        for task in self._accepting:
-            task.cancel()
-        for sock, _ in self._listeners:
-            sock.close()
+        for server in self._servers:
+            server.close()
+        self._servers.clear()
         self._listeners.clear()
         for conn in list(self._connections):
             conn.goaway(0, "server stopping")
         deadline = time.monotonic() + (grace or 0)
         while any(c.streams for c in self._connections) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        for task in list(self._tasks):
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
+        if tasks:  # the handlers see their cancellation (and write their audit lines) before stop returns
+            await asyncio.wait(tasks, timeout=5.0)
         for conn in list(self._connections):
             conn.abort()
         self._connections.clear()
