@@ -394,7 +394,8 @@ def main() -> int:
     parser.add_argument(
         "--transport",
         choices=("wire", "grpc"),
-        help="the server's attestation transport (default: the server's default, wire)",
+        help="nodeserver's attestation transport, here and with --against (default: the server's default, "
+        "wire); the transport floor runs on the same stack",
     )
     parser.add_argument("--json", action="store_true", help="print the figures as JSON too")
     parser.add_argument(

@@ -272,7 +272,7 @@ def _run(  # noqa: PLR0917 - one row of the table
 
 
 # -- the servers -----------------------------------------------------------------------------------------
-def _nodeserver(work: Path, ek_ca: Path, devid_root: Path, store: str) -> Any:
+def _nodeserver(work: Path, ek_ca: Path, devid_root: Path, store: str, transport: str | None = None) -> Any:
     from tests.support.serverproc import ServerProcess
 
     config: dict[str, Any] = {
@@ -287,8 +287,8 @@ def _nodeserver(work: Path, ek_ca: Path, devid_root: Path, store: str) -> Any:
     }
     if store:
         config["store"] = store
-    if os.environ.get("NODETRUST_BENCH_TRANSPORT"):
-        config["transport"] = os.environ["NODETRUST_BENCH_TRANSPORT"]
+    if transport:
+        config["transport"] = transport
     work.mkdir(parents=True, exist_ok=True)
     return ServerProcess(config, work / "config.yaml")
 
@@ -355,7 +355,9 @@ def run_against_spire(args: argparse.Namespace) -> int:
             for which in ("spire", "nodeserver") if first_spire else ("nodeserver", "spire"):
                 tag = f"{attestor}-{rnd}"
                 if which == "nodeserver":
-                    ns = _nodeserver(work / f"ns-{tag}", work / "ek-ca", devid_root, args.store)
+                    ns = _nodeserver(
+                        work / f"ns-{tag}", work / "ek-ca", devid_root, args.store, args.transport
+                    )
                     try:
                         rows.append(
                             _run("nodeserver", attestor, ns.pid, ns.attest_port, ns.bundle, agents, args)
