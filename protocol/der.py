@@ -19,7 +19,6 @@ nothing else. This module lives in ``protocol`` so that every program may import
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
 from typing import NamedTuple
