@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import hpack
+from h2.errors import ErrorCodes
 from hyperframe.frame import (
     ContinuationFrame,
     DataFrame,
@@ -24,27 +25,33 @@ from hyperframe.frame import (
     GoAwayFrame,
     HeadersFrame,
     PingFrame,
+    PriorityFrame,
+    PushPromiseFrame,
     RstStreamFrame,
     SettingsFrame,
     WindowUpdateFrame,
 )
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
-    range(10)
+# Frame types, flags and error codes from the ecosystem's HTTP/2 libraries, not from the server's code.
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"  # RFC 9113 §3.4
+DATA, HEADERS, PRIORITY, RST_STREAM = (
+    DataFrame.type,
+    HeadersFrame.type,
+    PriorityFrame.type,
+    RstStreamFrame.type,
 )
-END_STREAM = 0x1
-ACK = 0x1
+SETTINGS, PUSH_PROMISE, PING = SettingsFrame.type, PushPromiseFrame.type, PingFrame.type
+GOAWAY, WINDOW_UPDATE, CONTINUATION = GoAwayFrame.type, WindowUpdateFrame.type, ContinuationFrame.type
+END_STREAM = ACK = 0x1  # RFC 9113 §6.1 and §6.5 (hyperframe names flags, not their bits)
 END_HEADERS = 0x4
 
-NO_ERROR = 0x0
-PROTOCOL_ERROR = 0x1
-FLOW_CONTROL_ERROR = 0x3
-FRAME_SIZE_ERROR = 0x6
-REFUSED_STREAM = 0x7
-CANCEL = 0x8
-ENHANCE_YOUR_CALM = 0xB
+NO_ERROR = int(ErrorCodes.NO_ERROR)
+PROTOCOL_ERROR = int(ErrorCodes.PROTOCOL_ERROR)
+FLOW_CONTROL_ERROR = int(ErrorCodes.FLOW_CONTROL_ERROR)
+FRAME_SIZE_ERROR = int(ErrorCodes.FRAME_SIZE_ERROR)
+REFUSED_STREAM = int(ErrorCodes.REFUSED_STREAM)
+CANCEL = int(ErrorCodes.CANCEL)
+ENHANCE_YOUR_CALM = int(ErrorCodes.ENHANCE_YOUR_CALM)
 
 Header = tuple[bytes, bytes]
 
