@@ -47,7 +47,12 @@ def tool(name: str, package: str) -> str:
 
 
 def sh(*argv: str, input_bytes: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(list(argv), input=input_bytes, capture_output=True, check=True, timeout=120)
+    done = subprocess.run(list(argv), input=input_bytes, capture_output=True, check=False, timeout=120)
+    if done.returncode:  # what the tool said, not only its exit status (a failure seen once under load)
+        pytest.fail(
+            f"{' '.join(argv)} exited {done.returncode}: {done.stderr.decode(errors='replace')[-2000:]}"
+        )
+    return done
 
 
 def sha256(path: Path) -> str:
