@@ -16,17 +16,22 @@ the protocol or a bound gets a GOAWAY with the RFC's error code and the connecti
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import ssl
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-import hpack
 from hpack.exceptions import HPACKError
+
+from server.wire.headers import (
+    CONNECTION_SPECIFIC,
+    RESPONSE_HEADERS,
+    TABLE_SIZE_ZERO,
+    HeaderDecoder,
+    trailers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -92,105 +97,8 @@ class Application(Protocol):
     def connection_closed(self, conn: Connection) -> None: ...
 
 
-def _int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    """An HPACK integer (RFC 7541 §5.1) with ``first``'s high bits above the prefix."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def literal(name: bytes, value: bytes) -> bytes:
-    """A header field as a literal without indexing, new name, no Huffman (RFC 7541 §6.2.2)."""
-    return b"\x00" + _int(len(name), 7) + name + _int(len(value), 7) + value
-
-
-# :status 200 (static index 8) and content-type (static index 31) application/grpc. The server
-# never adds to its dynamic table; the first block of a connection sets its size to 0.
-RESPONSE_HEADERS = b"\x88" + _int(31, 4) + _int(16, 7) + b"application/grpc"
-TABLE_SIZE_ZERO = b"\x20"
-
-
-_MESSAGE_SAFE = frozenset(range(0x20, 0x7F)) - {ord("%")}
-
-
-def _percent(message: str) -> bytes:
-    """grpc-message's percent-encoding of UTF-8 (gRPC over HTTP/2)."""
-    raw = message.encode("utf-8", "replace")
-    if all(b in _MESSAGE_SAFE for b in raw):
-        return raw
-    return b"".join(bytes((b,)) if b in _MESSAGE_SAFE else b"%%%02X" % b for b in raw)
-
-
-def trailers(code: int, message: str = "", metadata: Sequence[tuple[str, Any]] = ()) -> bytes:
-    """The HPACK block of a call's status: grpc-status, grpc-message and any trailing metadata."""
-    block = literal(b"grpc-status", b"%d" % code)
-    if message:
-        block += literal(b"grpc-message", _percent(message[:1024]))
-    for key, value in metadata:
-        name = key.lower().encode("ascii")
-        if name.endswith(b"-bin"):
-            raw = value if isinstance(value, bytes) else str(value).encode()
-            block += literal(name, base64.b64encode(raw).rstrip(b"="))
-        else:
-            block += literal(name, value if isinstance(value, bytes) else str(value).encode())
-    return block
-
-
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
-
-
-_CONNECTION_SPECIFIC = frozenset(
-    (b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade")
-)
-_FIRST_BLOCKS: dict[tuple[int, bytes], list[tuple[bytes, bytes]]] = {}
-_FIRST_BLOCKS_MAX = 256
-_FIRST_BLOCK_BYTES = 1024
-
-
-class _HeaderDecoder:
-    """HPACK decoding (the ``hpack`` library) with the first block of a connection memoised.
-
-    A fleet's agents open one connection each and send the same first header block, which the
-    library decodes from an empty dynamic table: its result depends on the bytes alone, so it is
-    kept (at most 256 blocks of up to 1 KiB). Only when a second block arrives on the
-    connection is the first one decoded for real, to rebuild the table the second refers to.
-    """
-
-    __slots__ = ("_decoder", "_max", "_replay")
-
-    def __init__(self, max_header_list: int) -> None:
-        self._max = max_header_list
-        self._decoder: hpack.Decoder | None = None
-        self._replay: bytes | None = None
-
-    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        if self._decoder is None and self._replay is None:
-            cached = _FIRST_BLOCKS.get((self._max, block))
-            if cached is not None:
-                self._replay = block
-                return cached
-        decoder = self._decoder
-        if decoder is None:
-            decoder = self._decoder = hpack.Decoder(max_header_list_size=self._max)
-            if self._replay is not None:
-                decoder.decode(self._replay, raw=True)
-                self._replay = None
-            else:
-                headers = [(bytes(n), bytes(v)) for n, v in decoder.decode(block, raw=True)]
-                if len(block) <= _FIRST_BLOCK_BYTES:
-                    if len(_FIRST_BLOCKS) >= _FIRST_BLOCKS_MAX:
-                        _FIRST_BLOCKS.clear()
-                    _FIRST_BLOCKS[(self._max, block)] = headers
-                return headers
-        return [(bytes(n), bytes(v)) for n, v in decoder.decode(block, raw=True)]
 
 
 class Stream:
@@ -292,7 +200,7 @@ class Connection(asyncio.Protocol):
         self.buf = bytearray()
         self.preface = False
         self.settings_seen = False
-        self.decoder = _HeaderDecoder(limits.max_header_block)
+        self.decoder = HeaderDecoder(limits.max_header_block)
         self.streams: dict[int, Stream] = {}
         self.last_stream = 0
         self.send_window = DEFAULT_WINDOW
@@ -714,7 +622,7 @@ class Connection(asyncio.Protocol):
                 regular = True
                 if (
                     name.lower() != name
-                    or name in _CONNECTION_SPECIFIC
+                    or name in CONNECTION_SPECIFIC
                     or (name == b"te" and value != b"trailers")
                 ):  # RFC 9113 §8.2.2: malformed
                     self._queue(frame(RST_STREAM, 0, sid, PROTOCOL_ERROR.to_bytes(4, "big")))

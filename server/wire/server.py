@@ -29,7 +29,8 @@ from typing import Any
 
 import grpc
 
-from server.wire.h2 import Connection, Limits, Stream, trailers
+from server.wire.h2 import Connection, Limits, Stream
+from server.wire.headers import trailers
 
 log = logging.getLogger(__name__)
 

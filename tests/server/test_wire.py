@@ -42,7 +42,9 @@ from hypothesis import strategies as st
 from server.app import server_tls
 from server.ca import CertificateAuthority, ServerSvid
 from server.wire import h2 as wire_h2
-from server.wire.h2 import Limits, _percent, literal, trailers
+from server.wire import headers as wire_headers
+from server.wire.h2 import Limits
+from server.wire.headers import _percent, literal, trailers
 from server.wire.server import WireServer, parse_timeout
 from tests.support.h2flood import closed_by_peer, silent_connections
 from tests.support.h2raw import (
@@ -1744,7 +1746,7 @@ def test_literal_integer_boundaries(size: int) -> None:
 
 
 def test_the_response_header_block_decodes() -> None:
-    fields = _decode(wire_h2.TABLE_SIZE_ZERO + wire_h2.RESPONSE_HEADERS + trailers(0))
+    fields = _decode(wire_headers.TABLE_SIZE_ZERO + wire_headers.RESPONSE_HEADERS + trailers(0))
     assert fields == [(b":status", b"200"), (b"content-type", b"application/grpc"), (b"grpc-status", b"0")]
 
 
