@@ -1,4 +1,4 @@
-"""The SPIRE Agent API's AttestAgent stream (grpc.aio), for the ``tpm`` and ``tpm_devid`` attestors, and RenewAgent.
+"""The SPIRE Agent API's AttestAgent stream, for the ``tpm`` and ``tpm_devid`` attestors, and RenewAgent.
 
 The flow, as SPIRE runs it (spire/pkg/server/api/agent/v1/service.go): the
 first message carries the attestation data and a CSR; the attestor answers
