@@ -499,7 +499,7 @@ def main() -> int:
     if transport_ms:
         print(
             f"  transport floor     {transport_ms:.3f} ms per exchange with a no-op handler "
-            f"(grpc.aio + TLS alone) = {figures['transport_to_floor_ratio']}x the crypto floor"
+            f"({args.transport or 'wire'} transport + TLS alone) = {figures['transport_to_floor_ratio']}x the crypto floor"
         )
         print(
             f"  attestation logic   {figures['server_cpu_ms_per_attestation'] - transport_ms:.3f} ms "
