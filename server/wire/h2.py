@@ -19,9 +19,8 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from hpack.exceptions import HPACKError
 
@@ -32,6 +31,7 @@ from server.wire.headers import (
     HeaderDecoder,
     trailers,
 )
+from server.wire.stream import DEFAULT_WINDOW, Stream
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,6 @@ S_MAX_FRAME_SIZE = 0x5
 S_MAX_HEADER_LIST_SIZE = 0x6
 
 MAX_WINDOW = 2**31 - 1
-DEFAULT_WINDOW = 65_535
 MAX_FRAME = 16_384  # ours: SETTINGS_MAX_FRAME_SIZE is never raised
 CONNECTION_WINDOW = 1 << 20
 CLOSE_TIMEOUT_S = 5.0  # after close, what the peer has not read is dropped
@@ -99,73 +98,6 @@ class Application(Protocol):
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream_id.to_bytes(4, "big") + payload
-
-
-class Stream:
-    """One gRPC call: its request headers, the messages received, and what is left to send."""
-
-    __slots__ = (
-        "buf",
-        "closed",
-        "conn",
-        "ended",
-        "headers",
-        "headers_sent",
-        "id",
-        "messages",
-        "on_reset",
-        "owed",
-        "path",
-        "pending",
-        "reset",
-        "send_window",
-        "task",
-        "timeout",
-        "timer",
-        "waiter",
-    )
-
-    def __init__(self, conn: Connection, stream_id: int, send_window: int) -> None:
-        self.conn = conn
-        self.id = stream_id
-        self.headers: dict[bytes, bytes] = {}
-        self.path = ""
-        self.timeout: float | None = None
-        self.buf = bytearray()
-        self.messages: deque[bytes] = deque()
-        self.ended = False  # the peer half-closed (END_STREAM)
-        self.reset = False  # the peer reset it, or the connection is gone
-        self.closed = False  # our side finished (trailers sent or reset)
-        self.waiter: asyncio.Future[None] | None = None
-        self.send_window = send_window
-        self.pending: deque[tuple[bytes, bool]] = deque()  # (frame payload, end) waiting for window
-        self.owed = 0  # receive credit not yet given back (an unread message is queued)
-        self.task: asyncio.Task[None] | None = None
-        self.on_reset: Any = None
-        self.headers_sent = False
-        self.timer: asyncio.TimerHandle | None = None  # the call's deadline
-
-    def _wake(self) -> None:
-        waiter, self.waiter = self.waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def next_message(self) -> bytes | None:
-        """The next request message, or None once the peer half-closed."""
-        while True:
-            if self.reset:
-                raise asyncio.CancelledError
-            if self.messages:
-                msg = self.messages.popleft()
-                if not self.messages and self.owed >= DEFAULT_WINDOW // 2:
-                    self.conn._credit_stream(self, self.owed)
-                    self.owed = 0
-                self.conn.buffered -= len(msg)
-                return msg
-            if self.ended:
-                return None
-            self.waiter = self.conn.loop.create_future()
-            await self.waiter
 
 
 class Connection(asyncio.Protocol):

@@ -29,8 +29,9 @@ from typing import Any
 
 import grpc
 
-from server.wire.h2 import Connection, Limits, Stream
+from server.wire.h2 import Connection, Limits
 from server.wire.headers import trailers
+from server.wire.stream import Stream
 
 log = logging.getLogger(__name__)
 
