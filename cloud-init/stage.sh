@@ -51,7 +51,10 @@
 #                                   embeds ROOT, the UUID the sealed root file system will have
 #   remove   PATTERN                rm -rf every match of PATTERN in the target (a build record or cache)
 #   empty    DIR                    remove every file under DIR, keep its folders (logs)
-#   shadow   SECONDS                password ages in /etc/shadow (and shadow-) clamped to SECONDS
+#   shadow   SECONDS                every account's last password change in /etc/shadow (and shadow-) set to
+#                                   the day of SECONDS, when it is a day (0, must change, and empty, no
+#                                   aging, stay): a cached base installed days before the lock and a cold
+#                                   rebuild installed after it then write the same file
 #   bolt     DIR                    every bbolt database under DIR (containerd's) rewritten canonically, its
 #                                   time stamps clamped to SOURCE_DATE_EPOCH (MEDIUM/boltcanon.py)
 #
@@ -442,7 +445,7 @@ while IFS="$TAB" read -r kind a b c d e <&3; do
       day=$((a / 86400))
       for f in "$T/etc/shadow" "$T/etc/shadow-"; do
         [ -f "$f" ] || continue
-        awk -F: -v OFS=: -v day="$day" '$3 ~ /^[0-9]+$/ && $3 > day { $3 = day } { print }' "$f" > "$f.nodetrust"
+        awk -F: -v OFS=: -v day="$day" '$3 ~ /^[0-9]+$/ && $3 > 0 { $3 = day } { print }' "$f" > "$f.nodetrust"
         cat "$f.nodetrust" > "$f"
         rm -f "$f.nodetrust"
       done
