@@ -49,10 +49,23 @@ def _release(full_build: Build, tmp: Path) -> Path:
     return Path(json.loads(made.stdout)["folder"])
 
 
+def _same_commit_as(full_build: Build) -> None:
+    """The rebuild builds the agent from this checkout, as the session build did: a commit made since (during
+    the run) changes the agent, so the image differs for a reason of the run, not of the builder; said so."""
+    recorded = json.loads((full_build.folder / "manifest.json").read_text())["agent"]["source"]["commit"]
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          timeout=60, check=True).stdout.strip()  # fmt: skip
+    assert head == recorded, (
+        f"the checkout's HEAD moved during the run ({recorded[:12]} at the session build, {head[:12]} now): "
+        "the rebuild would build another agent. Do not commit while the VM tier runs; run it again"
+    )
+
+
 def test_a_release_rebuilt_with_a_cold_base_cache_is_the_same_image(
     env: Env, full_build: Build, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     tmp = tmp_path_factory.mktemp("rebuild")
+    _same_commit_as(full_build)
     release = _release(full_build, tmp)
     work = work_dir(tmp)
     rebuilt_out = work_dir(tmp_path_factory.mktemp("rebuilt"))
